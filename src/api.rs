@@ -1,0 +1,250 @@
+//! What the API answers, as plain data: [`Reply`] (status, headers, body) and
+//! [`Problem`], the one place where an error becomes a status, a problem slug
+//! and an RFC 9457 body. Knows no HTTP library.
+
+use serde::Serialize;
+
+use crate::config::{RETRY_AFTER_IN_USE_SECONDS, RETRY_AFTER_UNAVAILABLE_SECONDS};
+use crate::idempotency::StoredResponse;
+
+pub const JSON: &str = "application/json";
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// A response, independent of the HTTP engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    pub status: u16,
+    pub content_type: &'static str,
+    /// Extra headers; names in lower case.
+    pub headers: Vec<(&'static str, String)>,
+    pub body: Vec<u8>,
+    /// Close the connection after this response (the body was not read).
+    pub close: bool,
+}
+
+impl Reply {
+    pub fn json(status: u16, body: &impl Serialize) -> Reply {
+        Reply::raw(
+            status,
+            JSON,
+            serde_json::to_vec(body).expect("serialisable body"),
+        )
+    }
+
+    pub fn raw(status: u16, content_type: &'static str, body: Vec<u8>) -> Reply {
+        Reply {
+            status,
+            content_type,
+            headers: Vec::new(),
+            body,
+            close: false,
+        }
+    }
+
+    /// A stored answer, byte for byte. A replay of a key carries
+    /// `Idempotent-Replayed: true`; so does a first answer of 200, which in
+    /// this API only ever means "this resource already existed" (an account's
+    /// natural id, a charge's `reference`).
+    pub fn stored(stored: StoredResponse, replayed: bool) -> Reply {
+        let content_type = if stored.status >= 400 {
+            PROBLEM_JSON
+        } else {
+            JSON
+        };
+        let reply = Reply::raw(stored.status, content_type, stored.body);
+        if replayed || stored.status == 200 {
+            reply.header("idempotent-replayed", "true")
+        } else {
+            reply
+        }
+    }
+
+    pub fn header(mut self, name: &'static str, value: impl Into<String>) -> Reply {
+        self.headers.push((name, value.into()));
+        self
+    }
+
+    pub fn to_stored(&self) -> StoredResponse {
+        StoredResponse {
+            status: self.status,
+            body: self.body.clone(),
+        }
+    }
+}
+
+/// Every error the API answers, with the contract's slugs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Problem {
+    InvalidRequest(String),
+    BodyTooLarge,
+    IdempotencyKeyMissing,
+    IdempotencyKeyInvalid,
+    IdempotencyKeyReused,
+    IdempotencyKeyInUse,
+    Unauthorized,
+    NotFound,
+    MethodNotAllowed {
+        allow: &'static str,
+    },
+    AccountNotFound,
+    InsufficientFunds,
+    CurrencyMismatch,
+    ResourceMismatch,
+    RefundExceedsCharge,
+    /// A balance would leave the range of a 64-bit integer.
+    BalanceOverflow,
+    TemporarilyUnavailable(String),
+    Internal,
+}
+
+#[derive(Serialize)]
+struct ProblemBody<'a> {
+    #[serde(rename = "type")]
+    kind: String,
+    title: &'a str,
+    status: u16,
+    detail: String,
+}
+
+impl Problem {
+    pub fn status(&self) -> u16 {
+        match self {
+            Problem::InvalidRequest(_)
+            | Problem::IdempotencyKeyMissing
+            | Problem::IdempotencyKeyInvalid => 400,
+            Problem::Unauthorized => 401,
+            Problem::InsufficientFunds => 402,
+            Problem::NotFound | Problem::AccountNotFound => 404,
+            Problem::MethodNotAllowed { .. } => 405,
+            Problem::IdempotencyKeyInUse => 409,
+            Problem::BodyTooLarge => 413,
+            Problem::IdempotencyKeyReused
+            | Problem::CurrencyMismatch
+            | Problem::ResourceMismatch
+            | Problem::RefundExceedsCharge
+            | Problem::BalanceOverflow => 422,
+            Problem::Internal => 500,
+            Problem::TemporarilyUnavailable(_) => 503,
+        }
+    }
+
+    pub fn slug(&self) -> &'static str {
+        match self {
+            Problem::InvalidRequest(_) => "invalid-request",
+            Problem::BodyTooLarge => "body-too-large",
+            Problem::IdempotencyKeyMissing => "idempotency-key-missing",
+            Problem::IdempotencyKeyInvalid => "idempotency-key-invalid",
+            Problem::IdempotencyKeyReused => "idempotency-key-reused",
+            Problem::IdempotencyKeyInUse => "idempotency-key-in-use",
+            Problem::Unauthorized => "unauthorized",
+            Problem::NotFound => "not-found",
+            Problem::MethodNotAllowed { .. } => "method-not-allowed",
+            Problem::AccountNotFound => "account-not-found",
+            Problem::InsufficientFunds => "insufficient-funds",
+            Problem::CurrencyMismatch => "currency-mismatch",
+            Problem::ResourceMismatch => "resource-mismatch",
+            Problem::RefundExceedsCharge => "refund-exceeds-charge",
+            Problem::BalanceOverflow => "balance-overflow",
+            Problem::TemporarilyUnavailable(_) => "temporarily-unavailable",
+            Problem::Internal => "internal-error",
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Problem::InvalidRequest(_) => "Invalid request",
+            Problem::BodyTooLarge => "Request body too large",
+            Problem::IdempotencyKeyMissing => "Idempotency-Key header missing",
+            Problem::IdempotencyKeyInvalid => "Idempotency-Key header invalid",
+            Problem::IdempotencyKeyReused => "Idempotency key reused with another request",
+            Problem::IdempotencyKeyInUse => "Idempotency key in use",
+            Problem::Unauthorized => "Unauthorized",
+            Problem::NotFound => "Not found",
+            Problem::MethodNotAllowed { .. } => "Method not allowed",
+            Problem::AccountNotFound => "Account not found",
+            Problem::InsufficientFunds => "Insufficient funds",
+            Problem::CurrencyMismatch => "Currency mismatch",
+            Problem::ResourceMismatch => "Resource mismatch",
+            Problem::RefundExceedsCharge => "Refund exceeds charge",
+            Problem::BalanceOverflow => "Balance overflow",
+            Problem::TemporarilyUnavailable(_) => "Temporarily unavailable",
+            Problem::Internal => "Internal error",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Problem::InvalidRequest(detail) | Problem::TemporarilyUnavailable(detail) => {
+                detail.clone()
+            }
+            Problem::BodyTooLarge => format!(
+                "the body is larger than {} bytes",
+                crate::config::BODY_SIZE_MAX_BYTES
+            ),
+            Problem::IdempotencyKeyMissing => {
+                "this route requires an Idempotency-Key header".into()
+            }
+            Problem::IdempotencyKeyInvalid => format!(
+                "an Idempotency-Key is 1 to {} printable ASCII characters without spaces",
+                crate::config::IDEMPOTENCY_KEY_LEN_MAX
+            ),
+            Problem::IdempotencyKeyReused => {
+                "this key was used with a different request body".into()
+            }
+            Problem::IdempotencyKeyInUse => {
+                "a request with this key is still in progress; retry later".into()
+            }
+            Problem::Unauthorized => "send Authorization: Bearer <secret key>".into(),
+            Problem::NotFound => "no such resource".into(),
+            Problem::MethodNotAllowed { allow } => format!("allowed: {allow}"),
+            Problem::AccountNotFound => "the source or destination account does not exist".into(),
+            Problem::InsufficientFunds => {
+                "the account would go below zero and does not allow it".into()
+            }
+            Problem::CurrencyMismatch => {
+                "the charge currency differs from an account's currency".into()
+            }
+            Problem::ResourceMismatch => {
+                "a resource with this id or reference exists with other fields".into()
+            }
+            Problem::RefundExceedsCharge => "the amount exceeds what is left to refund".into(),
+            Problem::BalanceOverflow => "a balance would exceed the representable range".into(),
+            Problem::Internal => "an internal error occurred; the request can be retried".into(),
+        }
+    }
+
+    pub fn body(&self) -> Vec<u8> {
+        serde_json::to_vec(&ProblemBody {
+            kind: format!("urn:idem:problem:{}", self.slug()),
+            title: self.title(),
+            status: self.status(),
+            detail: self.detail(),
+        })
+        .expect("serialisable problem")
+    }
+
+    pub fn reply(&self) -> Reply {
+        let reply = Reply::raw(self.status(), PROBLEM_JSON, self.body());
+        match self {
+            Problem::IdempotencyKeyInUse => {
+                reply.header("retry-after", RETRY_AFTER_IN_USE_SECONDS.to_string())
+            }
+            Problem::TemporarilyUnavailable(_) => {
+                reply.header("retry-after", RETRY_AFTER_UNAVAILABLE_SECONDS.to_string())
+            }
+            Problem::MethodNotAllowed { allow } => reply.header("allow", *allow),
+            _ => reply,
+        }
+    }
+}
+
+impl From<crate::error::Error> for Problem {
+    fn from(e: crate::error::Error) -> Problem {
+        if e.is_transient() {
+            Problem::TemporarilyUnavailable(e.to_string())
+        } else {
+            log::error!("internal error: {e}");
+            Problem::Internal
+        }
+    }
+}

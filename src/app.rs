@@ -1,0 +1,644 @@
+//! The application: what each API operation does, as synchronous functions
+//! from validated input to a [`Reply`]. This is where the idempotency
+//! protocol's steps run in order — reserve, pre-check, call the acquirer,
+//! record the recovery point, apply the ledger phase — each write through the
+//! writer thread and each read through the reader pool.
+//!
+//! The same [`App::run_operation`] finishes an operation for the request that
+//! reserved it, for a request that took an orphan over, for the async pool,
+//! and for the reaper: there is one way to resume from a recovery point.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+use rusqlite::Connection;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::acquirer::Acquirer;
+use crate::api::{Problem, Reply};
+use crate::config::{Config, FaultPoint, ASYNC_QUEUE_LEN_MAX, ASYNC_THREADS};
+use crate::consumers;
+use crate::error::{Error, Result};
+use crate::idempotency::{
+    self, Attempt, Fingerprint, IdempotencyKey, KeyRow, KeyState, Mode, Owner, RecoveryPoint,
+    Reservation, Scope, StoredResponse, Timeouts,
+};
+use crate::ledger::{self, AccountOutcome, ChargeOutcome, Origin, RefundOutcome, UnknownCursor};
+use crate::metrics::Metrics;
+use crate::model::{AccountRequest, ChargeRequest, ListObject, Operation, Page, RefundRequest};
+use crate::store::{Readers, Writer};
+use crate::time::now_ms;
+
+pub struct App {
+    pub config: Config,
+    pub metrics: Arc<Metrics>,
+    writer: Writer,
+    readers: Readers,
+    acquirer: Arc<dyn Acquirer>,
+    /// Key hash → consumer id. Consumers are never deleted, so a positive
+    /// answer stays true; unknown keys are looked up every time.
+    consumers: RwLock<HashMap<[u8; 32], i64>>,
+    background: Sender<Background>,
+    background_threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+enum Background {
+    Run(Box<KeyRow>),
+    Stop,
+}
+
+/// The reservation step's result, with the inline case (accounts and
+/// refunds need no acquirer, so a synchronous one completes in the same
+/// transaction that reserved its key).
+enum Reserved {
+    Done {
+        stored: StoredResponse,
+        took_over: bool,
+    },
+    Pending(Reservation),
+}
+
+#[derive(Serialize)]
+struct OperationObject<'a> {
+    id: &'a str,
+    object: &'static str,
+    status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response: Option<OperationResponse>,
+}
+
+#[derive(Serialize)]
+struct OperationResponse {
+    status: u16,
+    body: Value,
+}
+
+impl App {
+    pub fn start(
+        config: Config,
+        writer: Writer,
+        readers: Readers,
+        acquirer: Arc<dyn Acquirer>,
+        metrics: Arc<Metrics>,
+    ) -> Arc<App> {
+        let (tx, rx) = crossbeam_channel::bounded(ASYNC_QUEUE_LEN_MAX);
+        let app = Arc::new(App {
+            config,
+            metrics,
+            writer,
+            readers,
+            acquirer,
+            consumers: RwLock::new(HashMap::new()),
+            background: tx,
+            background_threads: Mutex::new(Vec::new()),
+        });
+        let threads = (0..ASYNC_THREADS)
+            .map(|i| {
+                let app = Arc::clone(&app);
+                let rx: Receiver<Background> = rx.clone();
+                std::thread::Builder::new()
+                    .name(format!("idem-async-{i}"))
+                    .spawn(move || {
+                        while let Ok(Background::Run(row)) = rx.recv() {
+                            app.run_operation_guarded(*row);
+                        }
+                    })
+                    .expect("spawn async thread")
+            })
+            .collect();
+        *app.background_threads.lock().expect("threads lock") = threads;
+        app
+    }
+
+    /// Finishes queued async operations and stops the background threads,
+    /// then the writer (which checkpoints).
+    pub fn stop(&self) {
+        let threads = std::mem::take(&mut *self.background_threads.lock().expect("threads lock"));
+        for _ in &threads {
+            let _ = self.background.send(Background::Stop);
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        self.writer.stop();
+    }
+
+    fn timeouts(&self) -> Timeouts {
+        Timeouts {
+            inflight: self.config.inflight_timeout,
+            retention: self.config.key_retention,
+        }
+    }
+
+    fn fault(&self, point: FaultPoint) {
+        if self.config.fault == Some(point) {
+            eprintln!("idem: fault point {point:?} reached, aborting");
+            std::process::abort();
+        }
+    }
+
+    // -----------------------------------------------------------------------
+    // Consumers
+
+    /// The consumer whose secret key is `token`.
+    pub fn authenticate(&self, token: &[u8]) -> Result<i64, Problem> {
+        let hash = consumers::hash_key(token);
+        if let Some(id) = self.consumers.read().expect("auth cache").get(&hash) {
+            return Ok(*id);
+        }
+        let found = self
+            .readers
+            .read(|c| consumers::authenticate(c, &hash))
+            .map_err(Problem::from)?;
+        let id = found.ok_or(Problem::Unauthorized)?;
+        self.consumers.write().expect("auth cache").insert(hash, id);
+        Ok(id)
+    }
+
+    pub fn create_consumer(&self, name: &str) -> Result<String> {
+        let name = name.to_string();
+        self.writer
+            .call(move |tx| consumers::create(tx, &name))
+            .map(|(_, key)| key)
+    }
+
+    // -----------------------------------------------------------------------
+    // Writes
+
+    pub fn create_account(
+        &self,
+        consumer: i64,
+        key: Option<IdempotencyKey>,
+        mode: Mode,
+        body: &Value,
+        req: AccountRequest,
+    ) -> Reply {
+        match key {
+            Some(key) => self.idempotent(
+                consumer,
+                "/v1/accounts".into(),
+                key,
+                mode,
+                idempotency::fingerprint(body),
+                Operation::Account(req),
+            ),
+            // No key: the natural id (if any) is the only protection, and
+            // the work is one transaction, so there is nothing to track.
+            None => match self.writer.call(move |tx| {
+                ledger::create_account(tx, consumer, &req, now_ms()).map(account_response)
+            }) {
+                Ok(stored) => Reply::stored(stored, false),
+                Err(e) => Problem::from(e).reply(),
+            },
+        }
+    }
+
+    pub fn create_charge(
+        &self,
+        consumer: i64,
+        key: IdempotencyKey,
+        mode: Mode,
+        body: &Value,
+        req: ChargeRequest,
+    ) -> Reply {
+        let fp = idempotency::fingerprint(body);
+        self.idempotent(
+            consumer,
+            "/v1/charges".into(),
+            key,
+            mode,
+            fp,
+            Operation::Charge(req),
+        )
+    }
+
+    pub fn create_refund(
+        &self,
+        consumer: i64,
+        key: IdempotencyKey,
+        mode: Mode,
+        body: &Value,
+        req: RefundRequest,
+    ) -> Reply {
+        let path = format!("/v1/charges/{}/refunds", req.charge);
+        let fp = idempotency::fingerprint(body);
+        self.idempotent(consumer, path, key, mode, fp, Operation::Refund(req))
+    }
+
+    /// Steps 4–5 of the protocol: reserve the key (or learn why not) in one
+    /// write transaction, then answer or do the work.
+    fn idempotent(
+        &self,
+        consumer: i64,
+        path: String,
+        key: IdempotencyKey,
+        mode: Mode,
+        fp: Fingerprint,
+        op: Operation,
+    ) -> Reply {
+        let attempt = Attempt {
+            scope: Scope {
+                consumer_id: consumer,
+                method: "POST",
+                path,
+            },
+            key,
+            fingerprint: fp,
+            request_json: serde_json::to_string(&op).expect("serialisable operation"),
+            mode,
+        };
+        let inline = mode == Mode::Sync && !matches!(op, Operation::Charge(_));
+        let t = self.timeouts();
+        let reserved = self.writer.call(move |tx| {
+            let now = now_ms();
+            let r = idempotency::reserve(tx, &attempt, now, t)?;
+            match r {
+                Reservation::Owned { row, took_over } if inline => {
+                    let owner = row.owner();
+                    let stored = apply_local(tx, &owner, &op, now)?;
+                    let completed = idempotency::complete(tx, &owner, &stored, now)?;
+                    assert!(completed, "the key was reserved in this transaction");
+                    Ok(Reserved::Done { stored, took_over })
+                }
+                other => Ok(Reserved::Pending(other)),
+            }
+        });
+        match reserved {
+            Err(e) => Problem::from(e).reply(),
+            Ok(Reserved::Done { stored, took_over }) => {
+                if took_over {
+                    self.metrics.orphans_taken_over.inc();
+                }
+                Reply::stored(stored, false)
+            }
+            Ok(Reserved::Pending(Reservation::Replay(stored))) => {
+                self.metrics.idempotent_replays.inc();
+                Reply::stored(stored, true)
+            }
+            Ok(Reserved::Pending(Reservation::Reused)) => {
+                self.metrics.conflicts_reused.inc();
+                Problem::IdempotencyKeyReused.reply()
+            }
+            Ok(Reserved::Pending(Reservation::Busy { op_id, .. })) => self.busy(&op_id, mode),
+            Ok(Reserved::Pending(Reservation::Owned { row, took_over })) => {
+                if took_over {
+                    self.metrics.orphans_taken_over.inc();
+                }
+                match mode {
+                    Mode::Sync => self.run_operation(row),
+                    Mode::Async => self.run_in_background(row),
+                }
+            }
+        }
+    }
+
+    /// Someone alive owns the key: 409 at once (sync) or 202 (async).
+    fn busy(&self, op_id: &str, mode: Mode) -> Reply {
+        match mode {
+            Mode::Sync => {
+                self.metrics.conflicts_in_use.inc();
+                Problem::IdempotencyKeyInUse.reply()
+            }
+            Mode::Async => accepted(op_id),
+        }
+    }
+
+    fn run_in_background(&self, row: KeyRow) -> Reply {
+        let owner = row.owner();
+        match self.background.try_send(Background::Run(Box::new(row))) {
+            Ok(()) => accepted(&owner.op_id),
+            Err(_) => self.give_up(&owner, Error::Unavailable("async queue is full")),
+        }
+    }
+
+    fn run_operation_guarded(&self, row: KeyRow) {
+        let owner = row.owner();
+        if catch_unwind(AssertUnwindSafe(|| self.run_operation(row))).is_err() {
+            log::error!("operation {} panicked; key unlocked", owner.op_id);
+            let _ = self.writer.call(move |tx| idempotency::unlock(tx, &owner));
+        }
+    }
+
+    /// Drives an owned operation from its recovery point to its final answer.
+    pub fn run_operation(&self, row: KeyRow) -> Reply {
+        let owner = row.owner();
+        let op: Operation = match serde_json::from_str(&row.request) {
+            Ok(op) => op,
+            Err(e) => {
+                log::error!("operation {} has an unreadable request: {e}", owner.op_id);
+                return Problem::Internal.reply();
+            }
+        };
+        match op {
+            Operation::Charge(req) => {
+                let fp: Fingerprint = row
+                    .fingerprint
+                    .as_slice()
+                    .try_into()
+                    .expect("fingerprints are 32 bytes");
+                let authorization = match row.recovery_point {
+                    RecoveryPoint::Authorized => row.authorization.clone().unwrap_or_default(),
+                    RecoveryPoint::Reserved => match self.authorize(&owner, &req, &fp) {
+                        Ok(auth) => auth,
+                        Err(reply) => return reply,
+                    },
+                };
+                self.ledger_phase(owner, move |tx, o, now| {
+                    let origin = Origin {
+                        op_id: &o.op_id,
+                        key: &o.key,
+                    };
+                    ledger::apply_charge(tx, o.consumer_id, &req, &fp, &origin, &authorization, now)
+                        .map(charge_response)
+                })
+            }
+            op => self.ledger_phase(owner, move |tx, o, now| apply_local(tx, o, &op, now)),
+        }
+    }
+
+    /// The steps between reservation and the ledger phase of a charge: the
+    /// pre-check (a final outcome needs no acquirer), the acquirer call and
+    /// its recovery point. `Err` is the reply to give instead.
+    fn authorize(
+        &self,
+        owner: &Owner,
+        req: &ChargeRequest,
+        fp: &Fingerprint,
+    ) -> Result<String, Reply> {
+        let consumer = owner.consumer_id;
+        match self
+            .readers
+            .read(|c| ledger::precheck_charge(c, consumer, req, fp))
+        {
+            Err(e) => return Err(self.give_up(owner, e)),
+            Ok(Some(outcome)) => {
+                let stored = charge_response(outcome);
+                return Err(self.ledger_phase(owner.clone(), move |_, _, _| Ok(stored)));
+            }
+            Ok(None) => {}
+        }
+        self.fault(FaultPoint::AfterReserve);
+        let auth = match self
+            .acquirer
+            .authorize(&owner.op_id, req.amount, req.currency.as_str())
+        {
+            Ok(auth) => auth,
+            Err(e) => return Err(self.give_up(owner, Error::Acquirer(e.0))),
+        };
+        self.fault(FaultPoint::AfterAcquirer);
+        let o = owner.clone();
+        let auth_id = auth.id.clone();
+        match self
+            .writer
+            .call(move |tx| idempotency::record_authorization(tx, &o, &auth_id, now_ms()))
+        {
+            Ok(true) => {}
+            Ok(false) => return Err(self.lost(owner)),
+            Err(e) => return Err(self.give_up(owner, e)),
+        }
+        self.fault(FaultPoint::AfterRecoveryPoint);
+        Ok(auth.id)
+    }
+
+    /// Commits `effect` and the stored answer together, if `owner` still
+    /// holds its key (the fencing check); answers like a later duplicate if
+    /// it was taken over meanwhile.
+    fn ledger_phase<F>(&self, owner: Owner, effect: F) -> Reply
+    where
+        F: FnOnce(&Connection, &Owner, i64) -> Result<StoredResponse> + Send + 'static,
+    {
+        let o = owner.clone();
+        let committed = self.writer.call(move |tx| {
+            if !idempotency::holds(tx, &o)? {
+                return Ok(None);
+            }
+            let now = now_ms();
+            let stored = effect(tx, &o, now)?;
+            let completed = idempotency::complete(tx, &o, &stored, now)?;
+            assert!(completed, "fence checked in this transaction");
+            Ok(Some(stored))
+        });
+        match committed {
+            Ok(Some(stored)) => {
+                self.fault(FaultPoint::AfterCommit);
+                Reply::stored(stored, false)
+            }
+            Ok(None) => self.lost(&owner),
+            Err(e) => self.give_up(&owner, e),
+        }
+    }
+
+    /// An owner that was fenced off answers like any later duplicate.
+    fn lost(&self, owner: &Owner) -> Reply {
+        let id = owner.key_id;
+        match self.readers.read(|c| idempotency::load_by_id(c, id)) {
+            Ok(Some(row)) if row.state == KeyState::Completed && row.op_id == owner.op_id => {
+                self.metrics.idempotent_replays.inc();
+                Reply::stored(row.response.expect("completed rows have a response"), true)
+            }
+            Ok(_) => self.busy(&owner.op_id, Mode::Sync),
+            Err(e) => Problem::from(e).reply(),
+        }
+    }
+
+    /// A transient failure: unlock the key so the next retry resumes at once
+    /// from its recovery point, and answer 503 (500 for a bug).
+    fn give_up(&self, owner: &Owner, e: Error) -> Reply {
+        log::warn!("operation {} failed: {e}", owner.op_id);
+        let o = owner.clone();
+        if let Err(unlock) = self.writer.call(move |tx| idempotency::unlock(tx, &o)) {
+            log::warn!("cannot unlock {}: {unlock}", owner.op_id);
+        }
+        Problem::from(e).reply()
+    }
+
+    // -----------------------------------------------------------------------
+    // Reads
+
+    fn read<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<Option<T>>,
+        render: impl FnOnce(T) -> Reply,
+    ) -> Reply {
+        match self.readers.read(f) {
+            Ok(Some(v)) => render(v),
+            Ok(None) => Problem::NotFound.reply(),
+            Err(e) => Problem::from(e).reply(),
+        }
+    }
+
+    pub fn get_account(&self, consumer: i64, id: &str) -> Reply {
+        self.read(
+            |c| ledger::find_account(c, consumer, id),
+            |a| Reply::json(200, &a.object()),
+        )
+    }
+
+    pub fn list_entries(&self, consumer: i64, account: &str, page: &Page) -> Reply {
+        self.read(
+            |c| match ledger::find_account(c, consumer, account)? {
+                None => Ok(None),
+                Some(a) => ledger::list_entries(c, &a, page).map(Some),
+            },
+            list_reply,
+        )
+    }
+
+    pub fn get_charge(&self, consumer: i64, id: &str) -> Reply {
+        self.read(
+            |c| ledger::get_charge(c, consumer, id),
+            |ch| Reply::json(200, &ch),
+        )
+    }
+
+    pub fn list_charges(&self, consumer: i64, page: &Page) -> Reply {
+        self.read(
+            |c| ledger::list_charges(c, consumer, page).map(Some),
+            list_reply,
+        )
+    }
+
+    pub fn get_operation(&self, consumer: i64, op_id: &str) -> Reply {
+        self.read(
+            |c| idempotency::load_operation(c, consumer, op_id),
+            |row| Reply::json(200, &operation_object(&row)),
+        )
+    }
+
+    // -----------------------------------------------------------------------
+    // For the reaper
+
+    /// In-progress keys silent for longer than the in-flight timeout.
+    pub fn orphans(&self, limit: usize) -> Result<Vec<i64>> {
+        let cutoff = now_ms() - self.config.inflight_timeout.as_millis() as i64;
+        self.readers
+            .read(|c| idempotency::orphans(c, cutoff, limit))
+    }
+
+    /// Takes the orphan `id` over and finishes it; false if it was no longer
+    /// an orphan (a client's retry got there first).
+    pub fn complete_orphan(&self, id: i64) -> Result<bool> {
+        let inflight = self.config.inflight_timeout;
+        let row = self
+            .writer
+            .call(move |tx| idempotency::take_over_orphan(tx, id, now_ms(), inflight))?;
+        let Some(row) = row else {
+            return Ok(false);
+        };
+        self.metrics.orphans_taken_over.inc();
+        let op_id = row.op_id.clone();
+        let reply = self.run_operation(row);
+        log::info!("reaper completed orphan {op_id}: {}", reply.status);
+        Ok(true)
+    }
+
+    /// Deletes one batch of completed keys past retention.
+    pub fn delete_expired(&self, batch: usize) -> Result<usize> {
+        let cutoff = now_ms() - self.config.key_retention.as_millis() as i64;
+        let n = self
+            .writer
+            .call(move |tx| idempotency::delete_expired(tx, cutoff, batch))?;
+        self.metrics.keys_reaped.add(n as u64);
+        Ok(n)
+    }
+}
+
+fn accepted(op_id: &str) -> Reply {
+    let body = OperationObject {
+        id: op_id,
+        object: "operation",
+        status: "in_progress",
+        response: None,
+    };
+    Reply::json(202, &body).header("location", format!("/v1/operations/{op_id}"))
+}
+
+fn operation_object(row: &KeyRow) -> OperationObject<'_> {
+    OperationObject {
+        id: &row.op_id,
+        object: "operation",
+        status: match row.state {
+            KeyState::InProgress => "in_progress",
+            KeyState::Completed => "completed",
+        },
+        response: row.response.as_ref().map(|r| OperationResponse {
+            status: r.status,
+            body: serde_json::from_slice(&r.body).unwrap_or(Value::Null),
+        }),
+    }
+}
+
+fn list_reply<T: Serialize>(list: std::result::Result<ListObject<T>, UnknownCursor>) -> Reply {
+    match list {
+        Ok(list) => Reply::json(200, &list),
+        Err(UnknownCursor) => {
+            Problem::InvalidRequest("starting_after: no such object in this list".into()).reply()
+        }
+    }
+}
+
+/// Applies an operation that needs no acquirer (account, refund) and renders
+/// its answer.
+fn apply_local(tx: &Connection, owner: &Owner, op: &Operation, now: i64) -> Result<StoredResponse> {
+    match op {
+        Operation::Account(req) => {
+            ledger::create_account(tx, owner.consumer_id, req, now).map(account_response)
+        }
+        Operation::Refund(req) => {
+            let origin = Origin {
+                op_id: &owner.op_id,
+                key: &owner.key,
+            };
+            ledger::apply_refund(tx, owner.consumer_id, req, &origin, now).map(refund_response)
+        }
+        Operation::Charge(_) => unreachable!("charges go through the acquirer"),
+    }
+}
+
+fn problem_response(p: Problem) -> StoredResponse {
+    StoredResponse {
+        status: p.status(),
+        body: p.body(),
+    }
+}
+
+fn json_response(status: u16, body: &impl Serialize) -> StoredResponse {
+    StoredResponse {
+        status,
+        body: serde_json::to_vec(body).expect("serialisable body"),
+    }
+}
+
+fn account_response(outcome: AccountOutcome) -> StoredResponse {
+    match outcome {
+        AccountOutcome::Created(a) => json_response(201, &a),
+        AccountOutcome::Existing(a) => json_response(200, &a),
+        AccountOutcome::Mismatch => problem_response(Problem::ResourceMismatch),
+    }
+}
+
+fn charge_response(outcome: ChargeOutcome) -> StoredResponse {
+    match outcome {
+        ChargeOutcome::Created(c) => json_response(201, &c),
+        ChargeOutcome::ReferenceReplay(c) => json_response(200, &c),
+        ChargeOutcome::ReferenceMismatch => problem_response(Problem::ResourceMismatch),
+        ChargeOutcome::AccountNotFound => problem_response(Problem::AccountNotFound),
+        ChargeOutcome::CurrencyMismatch => problem_response(Problem::CurrencyMismatch),
+        ChargeOutcome::InsufficientFunds => problem_response(Problem::InsufficientFunds),
+        ChargeOutcome::BalanceOverflow => problem_response(Problem::BalanceOverflow),
+    }
+}
+
+fn refund_response(outcome: RefundOutcome) -> StoredResponse {
+    match outcome {
+        RefundOutcome::Created(r) => json_response(201, &r),
+        RefundOutcome::ChargeNotFound => problem_response(Problem::NotFound),
+        RefundOutcome::ExceedsCharge => problem_response(Problem::RefundExceedsCharge),
+        RefundOutcome::InsufficientFunds => problem_response(Problem::InsufficientFunds),
+        RefundOutcome::BalanceOverflow => problem_response(Problem::BalanceOverflow),
+    }
+}

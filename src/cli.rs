@@ -1,0 +1,189 @@
+//! The command line: `serve`, `consumers create|list`, `verify`. Raw flags
+//! (each also read from an `IDEM_*` environment variable) become a validated
+//! [`Config`] here, once.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::config::{self, parse_duration, Config, FaultPoint, Synchronous, WRITE_QUEUE_LEN_MAX};
+use crate::error::{Error, Result};
+use crate::{consumers, store, verify, Server};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "idem",
+    version,
+    about = "A payment ledger where a retried request moves money once",
+    propagate_version = true
+)]
+struct Cli {
+    /// SQLite database file (created with the schema on first use).
+    #[arg(long, env = "IDEM_DB", default_value = "./idem.db", global = true)]
+    db: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the ledger server.
+    Serve(ServeArgs),
+    /// Manage API consumers and their secret keys.
+    Consumers {
+        #[command(subcommand)]
+        command: ConsumersCommand,
+    },
+    /// Check the database: integrity, foreign keys and every ledger invariant.
+    /// Exit 0 if all hold, 1 with a report if not.
+    Verify,
+}
+
+#[derive(Subcommand, Debug)]
+enum ConsumersCommand {
+    /// Create a consumer and print its secret key once on stdout (only its
+    /// SHA-256 is stored).
+    Create {
+        /// 1–64 characters of A-Z a-z 0-9 _ - .
+        name: String,
+    },
+    /// List consumers (name, id, created_at); never keys.
+    List,
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Listen address; port 0 picks a free port.
+    #[arg(long, env = "IDEM_ADDR", default_value = "127.0.0.1:8080")]
+    addr: SocketAddr,
+    /// HTTP worker threads [default: CPU count × 4, at least 4].
+    #[arg(long, env = "IDEM_WORKERS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    workers: Option<u16>,
+    /// How long a completed idempotency key is kept and replayed (ms, s, m, h, d).
+    #[arg(long, env = "IDEM_KEY_RETENTION", default_value = "24h", value_parser = parse_duration)]
+    key_retention: Duration,
+    /// An in-progress key whose owner is silent this long is an orphan and may be taken over.
+    #[arg(long, env = "IDEM_INFLIGHT_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    inflight_timeout: Duration,
+    /// How often the reaper completes orphans and deletes expired keys.
+    #[arg(long, env = "IDEM_REAPER_INTERVAL", default_value = "10s", value_parser = parse_positive_duration)]
+    reaper_interval: Duration,
+    /// Latency of the built-in simulated acquirer.
+    #[arg(long, env = "IDEM_ACQUIRER_LATENCY", default_value = "0ms", value_parser = parse_duration)]
+    acquirer_latency: Duration,
+    /// SQLite synchronous mode: `full` loses no acknowledged charge on power
+    /// loss; `normal` is faster and may lose the last commits on power loss.
+    #[arg(long, env = "IDEM_SYNCHRONOUS", value_enum, default_value = "full")]
+    synchronous: SyncArg,
+    /// Most write commands committed in one transaction (1 = one transaction per command).
+    #[arg(long, env = "IDEM_COMMIT_BATCH_MAX", default_value_t = config::COMMIT_BATCH_MAX_DEFAULT as u16,
+          value_parser = clap::value_parser!(u16).range(1..=WRITE_QUEUE_LEN_MAX as i64))]
+    commit_batch_max: u16,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum SyncArg {
+    Full,
+    Normal,
+}
+
+fn parse_positive_duration(s: &str) -> std::result::Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d.is_zero() {
+        return Err("must be longer than 0ms".into());
+    }
+    Ok(d)
+}
+
+/// Runs the command line; `Ok` carries the exit code.
+pub fn run() -> Result<i32> {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    match cli.command {
+        Command::Serve(args) => serve(cli.db, args),
+        Command::Consumers {
+            command: ConsumersCommand::Create { name },
+        } => {
+            let conn = store::open_rw(&cli.db, Synchronous::Full)?;
+            let (consumer, key) = consumers::create(&conn, &name)?;
+            eprintln!(
+                "created consumer '{}' ({}); its secret key, shown once:",
+                consumer.name, consumer.public_id
+            );
+            println!("{key}");
+            Ok(0)
+        }
+        Command::Consumers {
+            command: ConsumersCommand::List,
+        } => {
+            let conn = store::open_rw(&cli.db, Synchronous::Full)?;
+            println!("{:<24} {:<40} created_at", "name", "id");
+            for c in consumers::list(&conn)? {
+                println!("{:<24} {:<40} {}", c.name, c.public_id, c.created_at);
+            }
+            Ok(0)
+        }
+        Command::Verify => {
+            let conn = store::open_existing(&cli.db)?;
+            let report = verify::verify(&conn)?;
+            print!("{report}");
+            Ok(if report.ok() { 0 } else { 1 })
+        }
+    }
+}
+
+fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
+    let mut config = Config::new(db);
+    config.addr = args.addr;
+    if let Some(workers) = args.workers {
+        config.workers = usize::from(workers);
+    }
+    config.key_retention = args.key_retention;
+    config.inflight_timeout = args.inflight_timeout;
+    config.reaper_interval = args.reaper_interval;
+    config.acquirer_latency = args.acquirer_latency;
+    config.synchronous = match args.synchronous {
+        SyncArg::Full => Synchronous::Full,
+        SyncArg::Normal => Synchronous::Normal,
+    };
+    config.commit_batch_max = usize::from(args.commit_batch_max);
+    if let Ok(fault) = std::env::var("IDEM_FAULT") {
+        let point = FaultPoint::parse(&fault)
+            .ok_or_else(|| Error::Config(format!("IDEM_FAULT: unknown fault point '{fault}'")))?;
+        config.fault = Some(point);
+    }
+    // Signal handlers are installed before the server starts, so a signal
+    // that arrives right after "listening" is never the default (fatal) one.
+    let signals = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (mut interrupt, mut terminate) = {
+        let _guard = signals.enter();
+        use tokio::signal::unix::{signal, SignalKind};
+        (
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+        )
+    };
+    let server = Server::start(config)?;
+    if let Some(key) = server.initial_key() {
+        eprintln!(
+            "created consumer 'default'; its secret key, shown this once (only its hash is stored):\n  {key}"
+        );
+    }
+    eprintln!("listening on {}", server.url());
+    signals.block_on(async {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    });
+    eprintln!("shutting down: finishing in-flight requests");
+    server.shutdown();
+    eprintln!("stopped");
+    Ok(0)
+}

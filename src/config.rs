@@ -1,0 +1,206 @@
+//! Validated configuration and the named limits of the system.
+//!
+//! Raw flags become a [`Config`] once, in `cli.rs` (or directly through the
+//! embedding API); everything inside the crate takes the validated type.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Largest request body accepted. A charge with 50 metadata keys of 500 bytes
+/// each fits in ~30 KiB; 64 KiB leaves room without letting one client pin
+/// megabytes of worker memory.
+pub const BODY_SIZE_MAX_BYTES: usize = 64 * 1024;
+/// Idempotency keys are 1–255 printable ASCII characters (a UUID is 36).
+pub const IDEMPOTENCY_KEY_LEN_MAX: usize = 255;
+/// Largest charge: 10^15 minor units. Far below `i64::MAX` (≈9.2·10^18), so a
+/// sum of two amounts never overflows and balances overflow only after
+/// thousands of maximal charges, which checked arithmetic turns into an outcome.
+pub const AMOUNT_MINOR_MAX: i64 = 1_000_000_000_000_000;
+pub const REFERENCE_LEN_MAX: usize = 128;
+pub const DESCRIPTION_LEN_MAX: usize = 500;
+pub const METADATA_KEYS_MAX: usize = 50;
+pub const METADATA_KEY_LEN_MAX: usize = 40;
+pub const METADATA_VALUE_LEN_MAX: usize = 500;
+pub const ACCOUNT_ID_LEN_MAX: usize = 64;
+pub const CONSUMER_NAME_LEN_MAX: usize = 64;
+/// Page size of list endpoints: 1 ..= 100, default 10.
+pub const LIST_LIMIT_MAX: usize = 100;
+pub const LIST_LIMIT_DEFAULT: usize = 10;
+/// Write commands waiting for the writer thread. A full queue answers 503 at
+/// once instead of piling up requests that would time out anyway.
+pub const WRITE_QUEUE_LEN_MAX: usize = 4096;
+/// Most write commands the writer applies in one transaction (group commit).
+pub const COMMIT_BATCH_MAX_DEFAULT: usize = 128;
+const _: () = assert!(COMMIT_BATCH_MAX_DEFAULT <= WRITE_QUEUE_LEN_MAX);
+/// Requests waiting for a worker thread, per worker.
+pub const WORKER_QUEUE_LEN_PER_WORKER: usize = 64;
+/// Operations accepted in async mode waiting for a background thread.
+pub const ASYNC_QUEUE_LEN_MAX: usize = 1024;
+pub const ASYNC_THREADS: usize = 4;
+/// Orphans one reaper pass takes over, and expired keys one delete removes:
+/// small batches keep the write lock short.
+pub const REAPER_ORPHANS_PER_PASS_MAX: usize = 64;
+pub const REAPER_DELETE_BATCH_LEN: usize = 500;
+/// Seconds a 409 asks the client to wait (`Retry-After`).
+pub const RETRY_AFTER_IN_USE_SECONDS: u32 = 1;
+/// Seconds a 503 asks the client to wait (`Retry-After`).
+pub const RETRY_AFTER_UNAVAILABLE_SECONDS: u32 = 1;
+/// HTTP engine limits (see `http/server.rs`).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub const HEADER_BYTES_MAX: usize = 16 * 1024;
+pub const CONNECTIONS_MAX: usize = 1024;
+/// How long shutdown waits for in-flight requests before closing anyway.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// SQLite busy timeout for connections other than the writer (CLI commands,
+/// readers during a checkpoint).
+pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// SQLite `synchronous` in WAL mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Synchronous {
+    /// fsync on every commit: an acknowledged charge survives power loss.
+    Full,
+    /// fsync only at checkpoints: faster, and the last commits before a power
+    /// loss (not a process crash) may be lost.
+    Normal,
+}
+
+impl Synchronous {
+    pub fn pragma(self) -> &'static str {
+        match self {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        }
+    }
+}
+
+/// A point where a test can make the server abort, to simulate a crash at the
+/// worst moment (set with `IDEM_FAULT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultPoint {
+    /// The key is reserved (committed), the acquirer not yet called.
+    AfterReserve,
+    /// The acquirer authorised; the recovery point is not yet recorded.
+    AfterAcquirer,
+    /// The recovery point is committed; the ledger phase has not run.
+    AfterRecoveryPoint,
+    /// The ledger phase is committed; the response is not yet written.
+    AfterCommit,
+}
+
+impl FaultPoint {
+    pub fn parse(s: &str) -> Option<FaultPoint> {
+        Some(match s {
+            "after_reserve" => FaultPoint::AfterReserve,
+            "after_acquirer" => FaultPoint::AfterAcquirer,
+            "after_recovery_point" => FaultPoint::AfterRecoveryPoint,
+            "after_commit" => FaultPoint::AfterCommit,
+            _ => return None,
+        })
+    }
+}
+
+/// Everything `idem serve` (or an embedded server) needs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub db: PathBuf,
+    pub addr: SocketAddr,
+    pub workers: usize,
+    pub key_retention: Duration,
+    pub inflight_timeout: Duration,
+    pub reaper_interval: Duration,
+    pub acquirer_latency: Duration,
+    pub synchronous: Synchronous,
+    pub commit_batch_max: usize,
+    pub fault: Option<FaultPoint>,
+}
+
+impl Config {
+    pub fn new(db: impl Into<PathBuf>) -> Config {
+        Config {
+            db: db.into(),
+            addr: "127.0.0.1:8080".parse().expect("valid literal address"),
+            workers: default_workers(),
+            key_retention: Duration::from_secs(24 * 3600),
+            inflight_timeout: Duration::from_secs(60),
+            reaper_interval: Duration::from_secs(10),
+            acquirer_latency: Duration::ZERO,
+            synchronous: Synchronous::Full,
+            commit_batch_max: COMMIT_BATCH_MAX_DEFAULT,
+            fault: None,
+        }
+    }
+}
+
+/// CPU count × 4, at least 4: workers mostly wait (on the writer, on the
+/// acquirer), so more threads than cores keep the cores busy.
+pub fn default_workers() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cpus * 4).max(4)
+}
+
+/// A duration flag: an integer with one of the suffixes `ms`, `s`, `m`, `h`, `d`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("'{s}' has no unit (use ms, s, m, h or d)"))?;
+    let (digits, unit) = s.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("'{s}' does not start with a whole number"))?;
+    let ms_per_unit: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => {
+            return Err(format!(
+                "'{s}' has an unknown unit '{unit}' (use ms, s, m, h or d)"
+            ))
+        }
+    };
+    n.checked_mul(ms_per_unit)
+        .map(Duration::from_millis)
+        .ok_or_else(|| format!("'{s}' is too long"))
+}
+
+impl fmt::Display for Synchronous {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Synchronous::Full => "full",
+            Synchronous::Normal => "normal",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_every_unit() {
+        let cases = [
+            ("250ms", Some(250)),
+            ("3s", Some(3_000)),
+            ("2m", Some(120_000)),
+            ("24h", Some(86_400_000)),
+            ("1d", Some(86_400_000)),
+            ("0ms", Some(0)),
+            ("10", None),
+            ("s", None),
+            ("1.5s", None),
+            ("-1s", None),
+            ("5w", None),
+            ("99999999999999999999d", None),
+        ];
+        for (input, want) in cases {
+            let got = parse_duration(input).ok().map(|d| d.as_millis() as u64);
+            assert_eq!(got, want, "parse_duration({input:?})");
+        }
+    }
+}

@@ -1,0 +1,709 @@
+//! The idempotency protocol: key syntax and scope, the canonical fingerprint,
+//! the decision table as a pure function, and the key-row operations
+//! (reserve, take over, fence, record a recovery point, complete, unlock).
+//!
+//! The functions that touch the database take a connection on which the
+//! caller (the writer thread) holds a `BEGIN IMMEDIATE` transaction, so every
+//! read-decide-write below is atomic: the database picks the winner of a race.
+
+use std::cmp::Ordering;
+use std::time::Duration;
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::config::IDEMPOTENCY_KEY_LEN_MAX;
+use crate::error::Result;
+use crate::ids;
+
+/// A validated `Idempotency-Key`: 1–255 characters in 0x21–0x7E.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(String);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyError {
+    Missing,
+    Invalid,
+}
+
+impl IdempotencyKey {
+    /// Parses the header value. A structured-field string (`"abc"`, with `\"`
+    /// and `\\` escapes) is accepted and unquoted; the result must still be
+    /// printable ASCII without spaces.
+    pub fn parse(raw: &[u8]) -> Result<IdempotencyKey, KeyError> {
+        let raw = raw.trim_ascii();
+        let unquoted = match raw {
+            [b'"', inner @ .., b'"'] => unescape_sf_string(inner).ok_or(KeyError::Invalid)?,
+            _ => raw.to_vec(),
+        };
+        let len_ok = (1..=IDEMPOTENCY_KEY_LEN_MAX).contains(&unquoted.len());
+        if !len_ok || !unquoted.iter().all(|b| (0x21..=0x7e).contains(b)) {
+            return Err(KeyError::Invalid);
+        }
+        Ok(IdempotencyKey(
+            String::from_utf8(unquoted).expect("ASCII is UTF-8"),
+        ))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+fn unescape_sf_string(inner: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(inner.len());
+    let mut bytes = inner.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&e @ (b'"' | b'\\')) => out.push(e),
+                _ => return None,
+            },
+            b'"' => return None,
+            _ => out.push(b),
+        }
+    }
+    Some(out)
+}
+
+/// What a key is unique within: the same key from two consumers, or on two
+/// routes, names two unrelated requests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scope {
+    pub consumer_id: i64,
+    pub method: &'static str,
+    /// The concrete path, e.g. `/v1/charges/ch_…/refunds`.
+    pub path: String,
+}
+
+/// SHA-256 of the canonical JSON of a request body.
+pub type Fingerprint = [u8; 32];
+
+pub fn fingerprint(body: &Value) -> Fingerprint {
+    let mut canonical = String::new();
+    write_canonical(body, &mut canonical);
+    Sha256::digest(canonical.as_bytes()).into()
+}
+
+/// RFC 8785 (JCS) serialisation: object keys sorted by their UTF-16 code
+/// units, recursively; no insignificant whitespace; strings escaped as
+/// ECMAScript's `JSON.stringify` does; numbers in their shortest form, with
+/// integral values written as integers.
+pub fn write_canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                out.push_str(&i.to_string());
+            } else if let Some(u) = n.as_u64() {
+                out.push_str(&u.to_string());
+            } else {
+                let f = n.as_f64().unwrap_or(0.0);
+                if f == 0.0 {
+                    out.push('0');
+                } else if f.fract() == 0.0 && f.abs() < 1e21 {
+                    out.push_str(&format!("{f:.0}"));
+                } else {
+                    out.push_str(&format!("{f}"));
+                }
+            }
+        }
+        Value::String(s) => out.push_str(&Value::String(s.clone()).to_string()),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_by(|a, b| utf16_cmp(a.0, b.0));
+            out.push('{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push(':');
+                write_canonical(v, out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+fn utf16_cmp(a: &str, b: &str) -> Ordering {
+    a.encode_utf16().cmp(b.encode_utf16())
+}
+
+// ---------------------------------------------------------------------------
+// The decision table
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyState {
+    InProgress,
+    Completed,
+}
+
+/// What the decision needs to know about a stored key row.
+#[derive(Debug, Clone, Copy)]
+pub struct RowView {
+    pub state: KeyState,
+    pub same_fingerprint: bool,
+    /// When the owner last proved it was alive (0 = unlocked).
+    pub locked_at_ms: i64,
+    pub completed_at_ms: Option<i64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Sync,
+    /// `Prefer: respond-async`.
+    Async,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// No live row: reserve the key and execute.
+    Execute,
+    /// Completed with the same fingerprint: the stored answer, byte for byte.
+    Replay,
+    /// Another body under this key: 422 `idempotency-key-reused`.
+    Reused,
+    /// In progress, owner alive, synchronous request: 409 with `Retry-After`.
+    InUse,
+    /// In progress, owner alive, async request: 202 and the operation.
+    Accepted,
+    /// In progress, owner silent past the in-flight timeout: take it over.
+    TakeOver,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    pub inflight: Duration,
+    pub retention: Duration,
+}
+
+/// The contract's decision table. A completed row past retention counts as
+/// absent whatever its fingerprint; then the fingerprint; then the state.
+pub fn decide(row: Option<RowView>, mode: Mode, now_ms: i64, t: Timeouts) -> Decision {
+    let Some(row) = row else {
+        return Decision::Execute;
+    };
+    let expired = row
+        .completed_at_ms
+        .is_some_and(|at| now_ms - at > t.retention.as_millis() as i64);
+    if row.state == KeyState::Completed && expired {
+        return Decision::Execute;
+    }
+    if !row.same_fingerprint {
+        return Decision::Reused;
+    }
+    match row.state {
+        KeyState::Completed => Decision::Replay,
+        KeyState::InProgress if now_ms - row.locked_at_ms > t.inflight.as_millis() as i64 => {
+            Decision::TakeOver
+        }
+        KeyState::InProgress => match mode {
+            Mode::Sync => Decision::InUse,
+            Mode::Async => Decision::Accepted,
+        },
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Key rows
+
+/// Where an operation's work stands, recorded in the key row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecoveryPoint {
+    /// Reserved; nothing has left the database yet.
+    Reserved,
+    /// The acquirer answered; its authorization is stored in the row.
+    Authorized,
+}
+
+impl RecoveryPoint {
+    fn as_str(self) -> &'static str {
+        match self {
+            RecoveryPoint::Reserved => "reserved",
+            RecoveryPoint::Authorized => "authorized",
+        }
+    }
+    fn parse(s: &str) -> RecoveryPoint {
+        match s {
+            "authorized" => RecoveryPoint::Authorized,
+            _ => RecoveryPoint::Reserved,
+        }
+    }
+}
+
+/// A stored answer: status and the exact body bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: u16,
+    pub body: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+pub struct KeyRow {
+    pub id: i64,
+    pub consumer_id: i64,
+    pub key: String,
+    pub op_id: String,
+    pub fingerprint: Vec<u8>,
+    pub state: KeyState,
+    pub generation: i64,
+    pub locked_at_ms: i64,
+    pub recovery_point: RecoveryPoint,
+    pub request: String,
+    pub authorization: Option<String>,
+    pub response: Option<StoredResponse>,
+    pub completed_at_ms: Option<i64>,
+}
+
+impl KeyRow {
+    pub fn view(&self, fp: &Fingerprint) -> RowView {
+        RowView {
+            state: self.state,
+            same_fingerprint: self.fingerprint.as_slice() == fp.as_slice(),
+            locked_at_ms: self.locked_at_ms,
+            completed_at_ms: self.completed_at_ms,
+        }
+    }
+
+    pub fn owner(&self) -> Owner {
+        Owner {
+            key_id: self.id,
+            generation: self.generation,
+            op_id: self.op_id.clone(),
+            consumer_id: self.consumer_id,
+            key: self.key.clone(),
+        }
+    }
+}
+
+/// The right to finish one operation: the key row and the fencing token
+/// (generation) that was current when it was acquired.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub key_id: i64,
+    pub generation: i64,
+    pub op_id: String,
+    pub consumer_id: i64,
+    pub key: String,
+}
+
+const KEY_COLUMNS: &str =
+    "id, consumer_id, key, op_id, fingerprint, state, generation, locked_at, \
+     recovery_point, request, authorization, response_status, response_body, completed_at";
+
+fn row_to_key(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
+    let state: String = r.get(5)?;
+    let recovery: String = r.get(8)?;
+    let status: Option<i64> = r.get(11)?;
+    let body: Option<Vec<u8>> = r.get(12)?;
+    Ok(KeyRow {
+        id: r.get(0)?,
+        consumer_id: r.get(1)?,
+        key: r.get(2)?,
+        op_id: r.get(3)?,
+        fingerprint: r.get(4)?,
+        state: if state == "completed" {
+            KeyState::Completed
+        } else {
+            KeyState::InProgress
+        },
+        generation: r.get(6)?,
+        locked_at_ms: r.get(7)?,
+        recovery_point: RecoveryPoint::parse(&recovery),
+        request: r.get(9)?,
+        authorization: r.get(10)?,
+        response: status.map(|s| StoredResponse {
+            status: s as u16,
+            body: body.unwrap_or_default(),
+        }),
+        completed_at_ms: r.get(13)?,
+    })
+}
+
+pub fn load(conn: &Connection, scope: &Scope, key: &IdempotencyKey) -> Result<Option<KeyRow>> {
+    let sql = format!(
+        "SELECT {KEY_COLUMNS} FROM idempotency_keys \
+         WHERE consumer_id = ?1 AND method = ?2 AND path = ?3 AND key = ?4"
+    );
+    Ok(conn
+        .prepare_cached(&sql)?
+        .query_row(
+            params![scope.consumer_id, scope.method, scope.path, key.as_str()],
+            row_to_key,
+        )
+        .optional()?)
+}
+
+pub fn load_by_id(conn: &Connection, id: i64) -> Result<Option<KeyRow>> {
+    let sql = format!("SELECT {KEY_COLUMNS} FROM idempotency_keys WHERE id = ?1");
+    Ok(conn
+        .prepare_cached(&sql)?
+        .query_row([id], row_to_key)
+        .optional()?)
+}
+
+/// The operation `op_id` of `consumer_id` (other consumers' are absent).
+pub fn load_operation(conn: &Connection, consumer_id: i64, op_id: &str) -> Result<Option<KeyRow>> {
+    let sql =
+        format!("SELECT {KEY_COLUMNS} FROM idempotency_keys WHERE op_id = ?1 AND consumer_id = ?2");
+    Ok(conn
+        .prepare_cached(&sql)?
+        .query_row(params![op_id, consumer_id], row_to_key)
+        .optional()?)
+}
+
+/// The outcome of trying to reserve a key.
+#[derive(Debug)]
+pub enum Reservation {
+    /// This request owns the operation; `row` is as it stands after the
+    /// reservation or takeover (its recovery point says where to resume).
+    Owned {
+        row: KeyRow,
+        took_over: bool,
+    },
+    /// Completed earlier: answer the stored response.
+    Replay(StoredResponse),
+    Reused,
+    /// Someone alive owns it: 409 (sync) or 202 (async) naming `op_id`.
+    Busy {
+        op_id: String,
+        decision: Decision,
+    },
+}
+
+/// One request asking for its key.
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    pub scope: Scope,
+    pub key: IdempotencyKey,
+    pub fingerprint: Fingerprint,
+    /// The validated request, kept in the row for whoever finishes it.
+    pub request_json: String,
+    pub mode: Mode,
+}
+
+/// Reserves the attempt's key, or tells why not. Runs the decision table on
+/// the row as it is inside the caller's write transaction.
+pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Result<Reservation> {
+    let (scope, key, fp, mode) = (&a.scope, &a.key, &a.fingerprint, a.mode);
+    let existing = load(conn, scope, key)?;
+    let decision = decide(existing.as_ref().map(|r| r.view(fp)), mode, now_ms, t);
+    match (decision, existing) {
+        (Decision::Execute, existing) => {
+            if let Some(old) = existing {
+                // A completed key past retention: the row makes way.
+                conn.prepare_cached("DELETE FROM idempotency_keys WHERE id = ?1")?
+                    .execute([old.id])?;
+            }
+            let op_id = ids::new_id(ids::OPERATION);
+            conn.prepare_cached(
+                "INSERT INTO idempotency_keys (consumer_id, method, path, key, fingerprint, op_id, \
+                 state, generation, locked_at, recovery_point, request, created_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'in_progress', 1, ?7, 'reserved', ?8, ?7)",
+            )?
+            .execute(params![
+                scope.consumer_id,
+                scope.method,
+                scope.path,
+                key.as_str(),
+                fp.as_slice(),
+                op_id,
+                now_ms,
+                a.request_json,
+            ])?;
+            let row = load_by_id(conn, conn.last_insert_rowid())?.expect("row just inserted");
+            Ok(Reservation::Owned {
+                row,
+                took_over: false,
+            })
+        }
+        (Decision::TakeOver, Some(row)) => Ok(Reservation::Owned {
+            row: take_over(conn, &row, now_ms)?,
+            took_over: true,
+        }),
+        (Decision::Replay, Some(row)) => Ok(Reservation::Replay(
+            row.response.expect("completed rows have a response"),
+        )),
+        (Decision::Reused, _) => Ok(Reservation::Reused),
+        (d @ (Decision::InUse | Decision::Accepted), Some(row)) => Ok(Reservation::Busy {
+            op_id: row.op_id,
+            decision: d,
+        }),
+        (d, None) => unreachable!("decision {d:?} without a row"),
+    }
+}
+
+/// Takes an orphan over: bumps the fencing token and relocks it now. Any
+/// later commit by the previous owner fails its fence check.
+pub fn take_over(conn: &Connection, row: &KeyRow, now_ms: i64) -> Result<KeyRow> {
+    conn.prepare_cached(
+        "UPDATE idempotency_keys SET generation = generation + 1, locked_at = ?2 \
+         WHERE id = ?1 AND state = 'in_progress'",
+    )?
+    .execute(params![row.id, now_ms])?;
+    Ok(KeyRow {
+        generation: row.generation + 1,
+        locked_at_ms: now_ms,
+        ..row.clone()
+    })
+}
+
+/// Whether `owner` still holds its key: same generation, still in progress.
+pub fn holds(conn: &Connection, owner: &Owner) -> Result<bool> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT 1 FROM idempotency_keys \
+             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        )?
+        .exists(params![owner.key_id, owner.generation])?)
+}
+
+/// Records the acquirer's answer as a recovery point and refreshes the lock.
+/// Returns false (and changes nothing) if `owner` was fenced off.
+pub fn record_authorization(
+    conn: &Connection,
+    owner: &Owner,
+    authorization: &str,
+    now_ms: i64,
+) -> Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE idempotency_keys SET recovery_point = ?3, authorization = ?4, locked_at = ?5 \
+             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        )?
+        .execute(params![
+            owner.key_id,
+            owner.generation,
+            RecoveryPoint::Authorized.as_str(),
+            authorization,
+            now_ms
+        ])?;
+    Ok(n == 1)
+}
+
+/// Stores the final answer and completes the key. Returns false (and changes
+/// nothing) if `owner` was fenced off.
+pub fn complete(
+    conn: &Connection,
+    owner: &Owner,
+    response: &StoredResponse,
+    now_ms: i64,
+) -> Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE idempotency_keys SET state = 'completed', response_status = ?3, \
+             response_body = ?4, completed_at = ?5 \
+             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        )?
+        .execute(params![
+            owner.key_id,
+            owner.generation,
+            response.status,
+            response.body,
+            now_ms
+        ])?;
+    Ok(n == 1)
+}
+
+/// Gives the key up after a transient failure: the next request (or the
+/// reaper) takes it over at once and resumes from its recovery point.
+pub fn unlock(conn: &Connection, owner: &Owner) -> Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE idempotency_keys SET locked_at = 0 \
+             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        )?
+        .execute(params![owner.key_id, owner.generation])?;
+    Ok(n == 1)
+}
+
+/// Ids of in-progress keys whose owner has been silent since before `cutoff_ms`.
+pub fn orphans(conn: &Connection, cutoff_ms: i64, limit: usize) -> Result<Vec<i64>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id FROM idempotency_keys WHERE state = 'in_progress' AND locked_at < ?1 \
+         ORDER BY locked_at LIMIT ?2",
+    )?;
+    let ids = stmt
+        .query_map(params![cutoff_ms, limit as i64], |r| r.get(0))?
+        .collect::<rusqlite::Result<Vec<i64>>>()?;
+    Ok(ids)
+}
+
+/// Takes over the orphan `id` if it still is one (the reaper's entry point).
+pub fn take_over_orphan(
+    conn: &Connection,
+    id: i64,
+    now_ms: i64,
+    inflight: Duration,
+) -> Result<Option<KeyRow>> {
+    let Some(row) = load_by_id(conn, id)? else {
+        return Ok(None);
+    };
+    let orphaned = row.state == KeyState::InProgress
+        && now_ms - row.locked_at_ms > inflight.as_millis() as i64;
+    if !orphaned {
+        return Ok(None);
+    }
+    take_over(conn, &row, now_ms).map(Some)
+}
+
+/// Deletes up to `limit` completed keys that completed before `cutoff_ms`.
+pub fn delete_expired(conn: &Connection, cutoff_ms: i64, limit: usize) -> Result<usize> {
+    Ok(conn
+        .prepare_cached(
+            "DELETE FROM idempotency_keys WHERE id IN (SELECT id FROM idempotency_keys \
+             WHERE state = 'completed' AND completed_at < ?1 LIMIT ?2)",
+        )?
+        .execute(params![cutoff_ms, limit as i64])?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn key_syntax() {
+        let ok = |raw: &str, want: &str| {
+            assert_eq!(
+                IdempotencyKey::parse(raw.as_bytes()).map(|k| k.0),
+                Ok(want.to_string()),
+                "{raw:?}"
+            )
+        };
+        let bad = |raw: &[u8]| {
+            assert_eq!(
+                IdempotencyKey::parse(raw),
+                Err(KeyError::Invalid),
+                "{raw:?}"
+            )
+        };
+        ok("abc", "abc");
+        ok("  abc ", "abc");
+        ok("\"abc\"", "abc");
+        ok(r#""a\"b\\c""#, r#"a"b\c"#);
+        ok(
+            "6b0c1a38-6c1b-4f5e-9f0e-2f6d2a7c9e11",
+            "6b0c1a38-6c1b-4f5e-9f0e-2f6d2a7c9e11",
+        );
+        ok(&"x".repeat(255), &"x".repeat(255));
+        bad(b"");
+        bad(b"\"\"");
+        bad("x".repeat(256).as_bytes());
+        bad(b"a b");
+        bad(b"\"a b\"");
+        bad(b"a\tb");
+        bad("caf\u{e9}".as_bytes());
+        bad(b"\"a\\nb\"");
+        bad(b"\"a\"b\"");
+        bad(b"\x7f");
+    }
+
+    #[test]
+    fn canonical_json_sorts_keys_and_drops_whitespace() {
+        let mut s = String::new();
+        let v: Value = serde_json::from_str(
+            r#"{ "b": 1, "a": {"z": [3, {"y": null, "x": true}], "\u00e9": "\n"}, "A": -7 }"#,
+        )
+        .unwrap();
+        write_canonical(&v, &mut s);
+        assert_eq!(
+            s,
+            r#"{"A":-7,"a":{"z":[3,{"x":true,"y":null}],"é":"\n"},"b":1}"#
+        );
+    }
+
+    #[test]
+    fn canonical_json_orders_by_utf16_code_units() {
+        // U+FF61 sorts before U+1F600 in UTF-8 byte order (EF… < F0…) but
+        // after it in UTF-16 (FF61 > D83D, the emoji's high surrogate).
+        let mut s = String::new();
+        write_canonical(&json!({"\u{FF61}": 2, "\u{1F600}": 1}), &mut s);
+        assert_eq!(s, "{\"\u{1F600}\":1,\"\u{FF61}\":2}");
+    }
+
+    #[test]
+    fn fingerprint_ignores_order_and_whitespace_but_not_values() {
+        let a: Value = serde_json::from_str(r#"{"amount":100,"currency":"BRL"}"#).unwrap();
+        let b: Value =
+            serde_json::from_str("{\n  \"currency\" : \"BRL\",\n  \"amount\" : 100\n}").unwrap();
+        let c: Value = serde_json::from_str(r#"{"amount":101,"currency":"BRL"}"#).unwrap();
+        assert_eq!(fingerprint(&a), fingerprint(&b));
+        assert_ne!(fingerprint(&a), fingerprint(&c));
+        assert_ne!(
+            fingerprint(&json!({"a": "1"})),
+            fingerprint(&json!({"a": 1}))
+        );
+    }
+
+    const T: Timeouts = Timeouts {
+        inflight: Duration::from_secs(60),
+        retention: Duration::from_secs(86_400),
+    };
+
+    /// Every row of the contract's decision table, and its edges.
+    #[test]
+    fn decision_table() {
+        use Decision::*;
+        use KeyState::*;
+        use Mode::*;
+        let now = 1_000_000_000;
+        let fresh_lock = now - 59_000;
+        let stale_lock = now - 61_000;
+        let recent_done = Some(now - 1_000);
+        let old_done = Some(now - 86_400_001);
+        let row = |state, same_fingerprint, locked_at_ms, completed_at_ms| {
+            Some(RowView {
+                state,
+                same_fingerprint,
+                locked_at_ms,
+                completed_at_ms,
+            })
+        };
+        #[rustfmt::skip]
+        let cases = [
+            // no row
+            (None, Sync, Execute),
+            (None, Async, Execute),
+            // completed, same fingerprint → replay
+            (row(Completed, true, fresh_lock, recent_done), Sync, Replay),
+            (row(Completed, true, fresh_lock, recent_done), Async, Replay),
+            // any state, other fingerprint → 422
+            (row(Completed, false, fresh_lock, recent_done), Sync, Reused),
+            (row(InProgress, false, fresh_lock, None), Sync, Reused),
+            (row(InProgress, false, stale_lock, None), Async, Reused),
+            // in progress, owner alive → 409 (sync) or 202 (async)
+            (row(InProgress, true, fresh_lock, None), Sync, InUse),
+            (row(InProgress, true, fresh_lock, None), Async, Accepted),
+            (row(InProgress, true, now - 60_000, None), Sync, InUse),
+            // in progress, silent past the in-flight timeout → takeover
+            (row(InProgress, true, stale_lock, None), Sync, TakeOver),
+            (row(InProgress, true, stale_lock, None), Async, TakeOver),
+            (row(InProgress, true, 0, None), Sync, TakeOver),
+            // completed past retention → brand new, whatever the fingerprint
+            (row(Completed, true, 0, old_done), Sync, Execute),
+            (row(Completed, false, 0, old_done), Sync, Execute),
+            (row(Completed, true, 0, Some(now - 86_400_000)), Sync, Replay),
+        ];
+        for (i, (view, mode, want)) in cases.into_iter().enumerate() {
+            assert_eq!(
+                decide(view, mode, now, T),
+                want,
+                "case {i}: {view:?} {mode:?}"
+            );
+        }
+    }
+}

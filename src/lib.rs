@@ -1,0 +1,218 @@
+//! # idem
+//!
+//! An embedded, single-node payment ledger on SQLite whose reason to exist is
+//! that a client may send the same request twice and the money moves once:
+//! N executions of one request are observably equal to one — same effect,
+//! same status, same body.
+//!
+//! The binary (`idem serve`) is one way in; this library is the other. A
+//! developer testing a client's retry logic starts a server in-process on a
+//! temporary database, points the client at [`Server::url`], provokes
+//! timeouts and conflicts, and drops the server:
+//!
+//! ```no_run
+//! let server = idem::Server::start_temporary(|config| {
+//!     config.acquirer_latency = std::time::Duration::from_millis(200);
+//! })?;
+//! let key = server.create_consumer("my-client-test")?;
+//! println!("POST {}/v1/charges with Authorization: Bearer {key}", server.url());
+//! server.shutdown();
+//! # Ok::<(), idem::Error>(())
+//! ```
+//!
+//! See ARCHITECTURE.md for the code map and the invariants.
+
+pub mod acquirer;
+pub mod api;
+pub mod app;
+pub mod cli;
+pub mod config;
+pub mod consumers;
+pub mod error;
+pub mod http;
+pub mod idempotency;
+pub mod ids;
+pub mod ledger;
+pub mod metrics;
+pub mod model;
+pub mod reaper;
+pub mod store;
+pub mod time;
+pub mod verify;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use acquirer::{Acquirer, Simulator};
+use app::App;
+use config::ASYNC_THREADS;
+use http::server::{Handler, HttpServer};
+use metrics::Metrics;
+use reaper::Reaper;
+use store::{ProcessLock, Readers, Writer};
+
+pub use config::{Config, Synchronous};
+pub use error::{Error, Result};
+
+/// A running idem server: HTTP front end, workers, writer, reaper. Shuts down
+/// cleanly on [`Server::shutdown`] or when dropped.
+pub struct Server {
+    app: Arc<App>,
+    http: Option<HttpServer>,
+    reaper: Option<Reaper>,
+    url: String,
+    initial_key: Option<String>,
+    _lock: ProcessLock,
+    /// Declared last: the temporary directory outlives everything above.
+    _temp: Option<TempDir>,
+}
+
+impl Server {
+    /// Starts a server as configured, with the built-in acquirer simulator
+    /// (its memory of keys kept next to the database, in `<db>.acquirer`).
+    pub fn start(config: Config) -> Result<Server> {
+        let journal = Simulator::journal_path(&config.db);
+        let acquirer = Simulator::with_journal(config.acquirer_latency, &journal)?;
+        Server::start_with_acquirer(config, Arc::new(acquirer))
+    }
+
+    /// Starts a server on `127.0.0.1:0` on a fresh database in a temporary
+    /// directory that is removed on shutdown; `configure` may change any
+    /// other option.
+    pub fn start_temporary(configure: impl FnOnce(&mut Config)) -> Result<Server> {
+        let temp = TempDir::new()?;
+        let mut config = Config::new(temp.path().join("idem.db"));
+        config.addr = SocketAddr::from(([127, 0, 0, 1], 0));
+        configure(&mut config);
+        let mut server = Server::start(config)?;
+        server._temp = Some(temp);
+        Ok(server)
+    }
+
+    /// Starts a server that calls `acquirer` instead of the simulator (to
+    /// inject a slow or failing third party).
+    pub fn start_with_acquirer(config: Config, acquirer: Arc<dyn Acquirer>) -> Result<Server> {
+        if config.db.as_os_str() == ":memory:" {
+            return Err(Error::Config(
+                "--db :memory: cannot be shared by the writer and the readers; \
+                 use a file (the embedding API offers a temporary one)"
+                    .into(),
+            ));
+        }
+        let lock = ProcessLock::acquire(&config.db)?;
+        let conn = store::open_rw(&config.db, config.synchronous)?;
+        let initial_key = if consumers::count(&conn)? == 0 {
+            Some(consumers::create(&conn, "default")?.1)
+        } else {
+            None
+        };
+        let metrics = Arc::new(Metrics::default());
+        let readers = Readers::open(&config.db, config.workers + ASYNC_THREADS + 2)?;
+        let writer = Writer::start(conn, config.commit_batch_max, Arc::clone(&metrics));
+        let app = App::start(config.clone(), writer, readers, acquirer, metrics);
+        let handler_app = Arc::clone(&app);
+        let handler: Handler = Arc::new(move |req| {
+            let started = Instant::now();
+            let (route, reply) = http::router::handle(&handler_app, req);
+            handler_app.metrics.record_request(
+                route,
+                reply.status,
+                started.elapsed().as_secs_f64(),
+            );
+            reply
+        });
+        let http = match HttpServer::start(config.addr, config.workers, handler) {
+            Ok(http) => http,
+            Err(e) => {
+                app.stop();
+                return Err(e);
+            }
+        };
+        let url = format!("http://{}", http.addr());
+        let reaper = Reaper::start(Arc::clone(&app));
+        Ok(Server {
+            app,
+            http: Some(http),
+            reaper: Some(reaper),
+            url,
+            initial_key,
+            _lock: lock,
+            _temp: None,
+        })
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.http.as_ref().expect("running").addr()
+    }
+
+    pub fn db_path(&self) -> &Path {
+        &self.app.config.db
+    }
+
+    /// The key of the `default` consumer if this start created it (first
+    /// start on an empty database); `None` ever after.
+    pub fn initial_key(&self) -> Option<&str> {
+        self.initial_key.as_deref()
+    }
+
+    /// Creates a consumer and returns its secret key.
+    pub fn create_consumer(&self, name: &str) -> Result<String> {
+        self.app.create_consumer(name)
+    }
+
+    /// Runs one reaper pass now (orphans, then retention), as the reaper
+    /// thread does every `--reaper-interval`.
+    pub fn reap_now(&self) {
+        reaper::pass(&self.app);
+    }
+
+    /// Stops accepting, finishes in-flight requests and queued async work,
+    /// stops the reaper, then the writer, which checkpoints the WAL.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut http) = self.http.take() {
+            http.shutdown();
+        }
+        if let Some(mut reaper) = self.reaper.take() {
+            reaper.stop();
+        }
+        self.app.stop();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A directory removed (with its contents) on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Result<TempDir> {
+        let path = std::env::temp_dir().join(format!("idem-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&path)?;
+        Ok(TempDir(path))
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -1,0 +1,177 @@
+//! Prometheus counters and histograms (the names are part of the contract),
+//! kept in memory and rendered in the text exposition format.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Seconds buckets for request and commit durations.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+/// Commands-per-commit buckets.
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
+
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    /// Sum in micro-units, so it can be an atomic integer.
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|b| v <= *b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_micros
+            .fetch_add((v * 1e6) as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (bound, count) in self.bounds.iter().zip(&self.counts) {
+            cumulative += count.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+    }
+}
+
+#[derive(Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn inc(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+pub struct Metrics {
+    /// (route template, status) → count.
+    http_requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
+    pub http_request_duration_seconds: Histogram,
+    pub idempotent_replays: Counter,
+    pub conflicts_in_use: Counter,
+    pub conflicts_reused: Counter,
+    pub orphans_taken_over: Counter,
+    pub keys_reaped: Counter,
+    pub commit_batch_size: Histogram,
+    pub commit_duration_seconds: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics {
+            http_requests: Mutex::new(BTreeMap::new()),
+            http_request_duration_seconds: Histogram::new(SECONDS_BUCKETS),
+            idempotent_replays: Counter::default(),
+            conflicts_in_use: Counter::default(),
+            conflicts_reused: Counter::default(),
+            orphans_taken_over: Counter::default(),
+            keys_reaped: Counter::default(),
+            commit_batch_size: Histogram::new(BATCH_BUCKETS),
+            commit_duration_seconds: Histogram::new(SECONDS_BUCKETS),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn record_request(&self, route: &'static str, status: u16, seconds: f64) {
+        *self
+            .http_requests
+            .lock()
+            .expect("metrics lock")
+            .entry((route, status))
+            .or_default() += 1;
+        self.http_request_duration_seconds.observe(seconds);
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP idem_http_requests_total HTTP requests by route and status.\n");
+        out.push_str("# TYPE idem_http_requests_total counter\n");
+        for ((route, status), n) in self.http_requests.lock().expect("metrics lock").iter() {
+            let _ = writeln!(
+                out,
+                "idem_http_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}"
+            );
+        }
+        self.http_request_duration_seconds.render(
+            "idem_http_request_duration_seconds",
+            "HTTP request latency.",
+            &mut out,
+        );
+        let counters = [
+            (
+                "idem_idempotent_replays_total",
+                "Stored answers replayed.",
+                "",
+                &self.idempotent_replays,
+            ),
+            (
+                "idem_idempotency_conflicts_total",
+                "Key conflicts.",
+                "{kind=\"in_use\"}",
+                &self.conflicts_in_use,
+            ),
+            (
+                "idem_idempotency_conflicts_total",
+                "",
+                "{kind=\"reused\"}",
+                &self.conflicts_reused,
+            ),
+            (
+                "idem_orphans_taken_over_total",
+                "Orphaned keys taken over.",
+                "",
+                &self.orphans_taken_over,
+            ),
+            (
+                "idem_keys_reaped_total",
+                "Completed keys deleted after retention.",
+                "",
+                &self.keys_reaped,
+            ),
+        ];
+        for (name, help, labels, counter) in counters {
+            if !help.is_empty() {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            }
+            let _ = writeln!(out, "{name}{labels} {}", counter.get());
+        }
+        self.commit_batch_size.render(
+            "idem_commit_batch_size",
+            "Write commands per commit.",
+            &mut out,
+        );
+        self.commit_duration_seconds.render(
+            "idem_commit_duration_seconds",
+            "Duration of one write transaction, commit included.",
+            &mut out,
+        );
+        out
+    }
+}

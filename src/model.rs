@@ -1,0 +1,395 @@
+//! Request types, parsed and validated once from JSON ("parse, then
+//! validate"), and the JSON objects the API answers with.
+//!
+//! Decoding is strict: unknown fields, wrong types, floats where integers are
+//! expected and out-of-range values are errors that name the field.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::config::{
+    ACCOUNT_ID_LEN_MAX, AMOUNT_MINOR_MAX, DESCRIPTION_LEN_MAX, METADATA_KEYS_MAX,
+    METADATA_KEY_LEN_MAX, METADATA_VALUE_LEN_MAX, REFERENCE_LEN_MAX,
+};
+
+/// Why a request body was rejected: 400 `invalid-request` naming `field`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    pub field: String,
+    pub message: String,
+}
+
+impl FieldError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> FieldError {
+        FieldError {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for FieldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.field.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.field, self.message)
+        }
+    }
+}
+
+type Fields = Map<String, Value>;
+
+/// Parses a body as a JSON object (an empty body is `{}`).
+pub fn parse_object(body: &[u8]) -> Result<Value, FieldError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Value::Object(Map::new()));
+    }
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| FieldError::new("", format!("malformed JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(FieldError::new("", "the body must be a JSON object"));
+    }
+    Ok(value)
+}
+
+fn fields<'a>(value: &'a Value, allowed: &[&str]) -> Result<&'a Fields, FieldError> {
+    let map = value
+        .as_object()
+        .ok_or_else(|| FieldError::new("", "the body must be a JSON object"))?;
+    if let Some(unknown) = map.keys().find(|k| !allowed.contains(&k.as_str())) {
+        return Err(FieldError::new(unknown.clone(), "unknown field"));
+    }
+    Ok(map)
+}
+
+/// Present and not null.
+fn field<'a>(map: &'a Fields, name: &str) -> Option<&'a Value> {
+    map.get(name).filter(|v| !v.is_null())
+}
+
+fn amount(map: &Fields, name: &str) -> Result<Option<i64>, FieldError> {
+    let Some(v) = field(map, name) else {
+        return Ok(None);
+    };
+    let bad = || {
+        FieldError::new(
+            name,
+            format!("must be an integer number of minor units from 1 to {AMOUNT_MINOR_MAX}"),
+        )
+    };
+    let n = v.as_i64().ok_or_else(bad)?;
+    if !(1..=AMOUNT_MINOR_MAX).contains(&n) {
+        return Err(bad());
+    }
+    Ok(Some(n))
+}
+
+fn string<'a>(map: &'a Fields, name: &str, len_max: usize) -> Result<Option<&'a str>, FieldError> {
+    let Some(v) = field(map, name) else {
+        return Ok(None);
+    };
+    let s = v
+        .as_str()
+        .ok_or_else(|| FieldError::new(name, "must be a string"))?;
+    if s.chars().count() > len_max {
+        return Err(FieldError::new(
+            name,
+            format!("must be at most {len_max} characters"),
+        ));
+    }
+    Ok(Some(s))
+}
+
+fn required<T>(v: Option<T>, name: &str) -> Result<T, FieldError> {
+    v.ok_or_else(|| FieldError::new(name, "is required"))
+}
+
+/// An ISO 4217-shaped currency code: three upper-case ASCII letters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Currency(String);
+
+impl Currency {
+    pub fn parse(s: &str) -> Option<Currency> {
+        (s.len() == 3 && s.bytes().all(|b| b.is_ascii_uppercase())).then(|| Currency(s.to_string()))
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+fn currency(map: &Fields) -> Result<Currency, FieldError> {
+    let s = required(string(map, "currency", 3)?, "currency")?;
+    Currency::parse(s)
+        .ok_or_else(|| FieldError::new("currency", "must be three upper-case letters"))
+}
+
+/// An account id chosen by the client (`[A-Za-z0-9_-]{1,64}`) or generated.
+pub fn valid_account_id(s: &str) -> bool {
+    (1..=ACCOUNT_ID_LEN_MAX).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+fn account_ref(map: &Fields, name: &str) -> Result<String, FieldError> {
+    let s = required(string(map, name, ACCOUNT_ID_LEN_MAX)?, name)?;
+    if !valid_account_id(s) {
+        return Err(FieldError::new(name, "must be an account id"));
+    }
+    Ok(s.to_string())
+}
+
+fn metadata(map: &Fields) -> Result<Value, FieldError> {
+    let Some(v) = field(map, "metadata") else {
+        return Ok(Value::Object(Map::new()));
+    };
+    let obj = v
+        .as_object()
+        .ok_or_else(|| FieldError::new("metadata", "must be an object"))?;
+    if obj.len() > METADATA_KEYS_MAX {
+        return Err(FieldError::new(
+            "metadata",
+            format!("must have at most {METADATA_KEYS_MAX} keys"),
+        ));
+    }
+    for (k, v) in obj {
+        if k.is_empty() || k.chars().count() > METADATA_KEY_LEN_MAX {
+            return Err(FieldError::new(
+                format!("metadata.{k}"),
+                format!("keys must be 1 to {METADATA_KEY_LEN_MAX} characters"),
+            ));
+        }
+        let s = v
+            .as_str()
+            .ok_or_else(|| FieldError::new(format!("metadata.{k}"), "must be a string"))?;
+        if s.chars().count() > METADATA_VALUE_LEN_MAX {
+            return Err(FieldError::new(
+                format!("metadata.{k}"),
+                format!("must be at most {METADATA_VALUE_LEN_MAX} characters"),
+            ));
+        }
+    }
+    Ok(v.clone())
+}
+
+/// `POST /v1/accounts`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AccountRequest {
+    pub id: Option<String>,
+    pub currency: Currency,
+    pub allow_negative: bool,
+    pub metadata: Value,
+}
+
+impl AccountRequest {
+    pub fn from_json(v: &Value) -> Result<AccountRequest, FieldError> {
+        let map = fields(v, &["id", "currency", "allow_negative", "metadata"])?;
+        let id = match string(map, "id", ACCOUNT_ID_LEN_MAX)? {
+            Some(id) if !valid_account_id(id) => {
+                return Err(FieldError::new("id", "must match [A-Za-z0-9_-]{1,64}"))
+            }
+            id => id.map(str::to_string),
+        };
+        let allow_negative = match field(map, "allow_negative") {
+            None => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| FieldError::new("allow_negative", "must be a boolean"))?,
+        };
+        Ok(AccountRequest {
+            id,
+            currency: currency(map)?,
+            allow_negative,
+            metadata: metadata(map)?,
+        })
+    }
+}
+
+/// `POST /v1/charges`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChargeRequest {
+    pub amount: i64,
+    pub currency: Currency,
+    pub source: String,
+    pub destination: String,
+    pub reference: Option<String>,
+    pub description: Option<String>,
+    pub metadata: Value,
+}
+
+impl ChargeRequest {
+    pub fn from_json(v: &Value) -> Result<ChargeRequest, FieldError> {
+        let map = fields(
+            v,
+            &[
+                "amount",
+                "currency",
+                "source",
+                "destination",
+                "reference",
+                "description",
+                "metadata",
+            ],
+        )?;
+        let req = ChargeRequest {
+            amount: required(amount(map, "amount")?, "amount")?,
+            currency: currency(map)?,
+            source: account_ref(map, "source")?,
+            destination: account_ref(map, "destination")?,
+            reference: string(map, "reference", REFERENCE_LEN_MAX)?.map(str::to_string),
+            description: string(map, "description", DESCRIPTION_LEN_MAX)?.map(str::to_string),
+            metadata: metadata(map)?,
+        };
+        if req.reference.as_deref() == Some("") {
+            return Err(FieldError::new("reference", "must not be empty"));
+        }
+        if req.source == req.destination {
+            return Err(FieldError::new("destination", "must differ from source"));
+        }
+        Ok(req)
+    }
+}
+
+/// `POST /v1/charges/{id}/refunds`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RefundRequest {
+    pub charge: String,
+    pub amount: Option<i64>,
+}
+
+impl RefundRequest {
+    pub fn from_json(charge: &str, v: &Value) -> Result<RefundRequest, FieldError> {
+        let map = fields(v, &["amount"])?;
+        Ok(RefundRequest {
+            charge: charge.to_string(),
+            amount: amount(map, "amount")?,
+        })
+    }
+}
+
+/// The validated request kept in a key row, so that the reaper (or whoever
+/// takes the key over) can finish the work without the client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Operation {
+    Account(AccountRequest),
+    Charge(ChargeRequest),
+    Refund(RefundRequest),
+}
+
+// ---------------------------------------------------------------------------
+// Response objects (field order is the contract's)
+
+#[derive(Debug, Clone, Serialize)]
+pub struct AccountObject {
+    pub id: String,
+    pub object: &'static str,
+    pub currency: String,
+    pub balance: i64,
+    pub allow_negative: bool,
+    pub metadata: Value,
+    pub created_at: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChargeObject {
+    pub id: String,
+    pub object: &'static str,
+    pub amount: i64,
+    pub currency: String,
+    pub source: String,
+    pub destination: String,
+    pub status: &'static str,
+    pub amount_refunded: i64,
+    pub reference: Option<String>,
+    pub description: Option<String>,
+    pub metadata: Value,
+    pub created_at: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RefundObject {
+    pub id: String,
+    pub object: &'static str,
+    pub charge: String,
+    pub amount: i64,
+    pub created_at: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EntryObject {
+    pub id: String,
+    pub object: &'static str,
+    pub account: String,
+    pub amount: i64,
+    pub charge: String,
+    pub refund: Option<String>,
+    pub created_at: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ListObject<T> {
+    pub object: &'static str,
+    pub data: Vec<T>,
+    pub has_more: bool,
+}
+
+/// A page request of a list endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    pub limit: usize,
+    pub starting_after: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn charge(v: Value) -> Result<ChargeRequest, String> {
+        ChargeRequest::from_json(&v).map_err(|e| e.field)
+    }
+
+    #[test]
+    fn charge_decoding_names_the_bad_field() {
+        let ok = json!({"amount": 100, "currency": "BRL", "source": "a", "destination": "b"});
+        assert!(charge(ok.clone()).is_ok());
+        let with = |k: &str, v: Value| {
+            let mut o = ok.clone();
+            o[k] = v;
+            charge(o)
+        };
+        assert_eq!(with("amount", json!(1.5)), Err("amount".into()));
+        assert_eq!(with("amount", json!(100.0)), Err("amount".into()));
+        assert_eq!(with("amount", json!(0)), Err("amount".into()));
+        assert_eq!(with("amount", json!(-5)), Err("amount".into()));
+        assert_eq!(
+            with("amount", json!(AMOUNT_MINOR_MAX + 1)),
+            Err("amount".into())
+        );
+        assert!(with("amount", json!(AMOUNT_MINOR_MAX)).is_ok());
+        assert_eq!(with("amount", json!("100")), Err("amount".into()));
+        assert_eq!(with("currency", json!("brl")), Err("currency".into()));
+        assert_eq!(with("currency", json!("BRLX")), Err("currency".into()));
+        assert_eq!(with("source", json!("b")), Err("destination".into()));
+        assert_eq!(with("source", json!("a b")), Err("source".into()));
+        assert_eq!(with("reference", json!("")), Err("reference".into()));
+        assert_eq!(
+            with("reference", json!("r".repeat(129))),
+            Err("reference".into())
+        );
+        assert_eq!(with("description", json!(5)), Err("description".into()));
+        assert_eq!(with("metadata", json!([])), Err("metadata".into()));
+        assert_eq!(with("metadata", json!({"k": 1})), Err("metadata.k".into()));
+        assert_eq!(with("colour", json!("red")), Err("colour".into()));
+    }
+
+    #[test]
+    fn empty_body_is_an_empty_object() {
+        assert_eq!(parse_object(b"").unwrap(), json!({}));
+        assert_eq!(parse_object(b"  \n").unwrap(), json!({}));
+        assert!(parse_object(b"[1]").is_err());
+        assert!(parse_object(b"{").is_err());
+    }
+}
