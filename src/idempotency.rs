@@ -35,6 +35,8 @@ impl IdempotencyKey {
         let raw = raw.trim_ascii();
         let unquoted = match raw {
             [b'"', inner @ .., b'"'] => unescape_sf_string(inner).ok_or(KeyError::Invalid)?,
+            // An opening quote promises a structured-field string.
+            [b'"', ..] => return Err(KeyError::Invalid),
             _ => raw.to_vec(),
         };
         let len_ok = (1..=IDEMPOTENCY_KEY_LEN_MAX).contains(&unquoted.len());
@@ -609,6 +611,8 @@ mod tests {
         bad("caf\u{e9}".as_bytes());
         bad(b"\"a\\nb\"");
         bad(b"\"a\"b\"");
+        bad(b"\"unterminated");
+        bad(b"\"");
         bad(b"\x7f");
     }
 

@@ -1,0 +1,297 @@
+//! Case 4 of the battery — a crash in the middle — with a real `idem serve`
+//! child process that aborts at a fault point or is killed with SIGKILL, then
+//! restarted on the same database file. And fencing: an owner stuck past the
+//! in-flight timeout is taken over and cannot apply its effect twice.
+
+mod support;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem::acquirer::{Acquirer, Authorization, Unavailable};
+use rusqlite::Connection;
+use support::{charge_body, ChildServer, Client, TempDir};
+
+const INFLIGHT: &str = "2s";
+const INFLIGHT_TIMEOUT: Duration = Duration::from_secs(2);
+
+fn journal_lines(db: &Path) -> Vec<String> {
+    let journal = idem::acquirer::Simulator::journal_path(db);
+    std::fs::read_to_string(journal)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// (charges, authorization ids of charges) straight from the database.
+fn charges_in_db(db: &Path) -> Vec<(String, String)> {
+    let conn = Connection::open(db).unwrap();
+    let mut stmt = conn
+        .prepare("SELECT public_id, authorization_id FROM charges ORDER BY id")
+        .unwrap();
+    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+/// Starts a server that aborts at `fault`, creates accounts, sends one charge
+/// (which never gets an answer) and returns the key, the client and the
+/// instant the charge was sent.
+fn crash_during_charge(db: &Path, fault: &str) -> Client {
+    let server = ChildServer::start(
+        db,
+        &["--inflight-timeout", INFLIGHT],
+        &[("IDEM_FAULT", fault)],
+    );
+    let client = Client::new(server.addr, server.initial_key.as_deref().unwrap());
+    client.card_and_shop();
+    let lost = client.try_request(
+        "POST",
+        "/v1/charges",
+        &[("Idempotency-Key", "crash-key")],
+        &charge_body(4200).to_string(),
+    );
+    assert!(lost.is_err(), "the server died before answering: {lost:?}");
+    let status = server.wait_exit(Duration::from_secs(10));
+    assert!(!status.success(), "aborted at {fault}");
+    client
+}
+
+fn restart(db: &Path, client: &mut Client, args: &[&str]) -> ChildServer {
+    let mut all = vec!["--inflight-timeout", INFLIGHT];
+    all.extend_from_slice(args);
+    let server = ChildServer::start(db, &all, &[]);
+    assert!(
+        server.initial_key.is_none(),
+        "the default key is printed only once"
+    );
+    client.addr = server.addr;
+    server
+}
+
+/// Before the in-flight timeout a retry gets 409; after it, the retry takes
+/// the orphan over and exactly one charge exists; a late retry replays it.
+fn retries_recover_exactly_once(db: &Path, fault: &str) {
+    let mut client = crash_during_charge(db, fault);
+    let crashed_at = Instant::now();
+    let _server = restart(db, &mut client, &[]);
+
+    let early = client.charge("crash-key", &charge_body(4200));
+    assert!(
+        crashed_at.elapsed() < INFLIGHT_TIMEOUT,
+        "restart was too slow for this test"
+    );
+    assert_eq!(
+        early.status, 409,
+        "{fault}: the orphan is not yet past the in-flight timeout"
+    );
+    assert_eq!(early.slug(), "idempotency-key-in-use");
+
+    std::thread::sleep(
+        INFLIGHT_TIMEOUT.saturating_sub(crashed_at.elapsed()) + Duration::from_millis(300),
+    );
+    let taken_over = client.charge("crash-key", &charge_body(4200));
+    assert_eq!(
+        taken_over.status,
+        201,
+        "{fault}: {}",
+        String::from_utf8_lossy(&taken_over.body)
+    );
+    assert!(!taken_over.replayed());
+    let late = client.charge("crash-key", &charge_body(4200));
+    assert!(late.replayed());
+    assert_eq!(late.body, taken_over.body);
+
+    assert_eq!(client.all_charges().len(), 1);
+    assert_eq!(client.balance("shop"), 4200);
+    let charges = charges_in_db(db);
+    let journal = journal_lines(db);
+    assert_eq!(charges.len(), 1);
+    assert_eq!(
+        journal.len(),
+        1,
+        "{fault}: the acquirer authorised exactly once: {journal:?}"
+    );
+    assert!(
+        journal[0].contains(&charges[0].1),
+        "the charge carries that authorization"
+    );
+    support::assert_verified(db);
+}
+
+#[test]
+fn crash_after_reserve() {
+    let dir = TempDir::new("after-reserve");
+    retries_recover_exactly_once(&dir.db(), "after_reserve");
+}
+
+#[test]
+fn crash_after_acquirer_before_recovery_point() {
+    let dir = TempDir::new("after-acquirer");
+    retries_recover_exactly_once(&dir.db(), "after_acquirer");
+}
+
+#[test]
+fn crash_after_recovery_point_before_ledger_commit() {
+    let dir = TempDir::new("after-recovery");
+    retries_recover_exactly_once(&dir.db(), "after_recovery_point");
+}
+
+/// Committed but never answered: the retry replays the committed charge.
+#[test]
+fn crash_after_commit_before_response() {
+    let dir = TempDir::new("after-commit");
+    let db = dir.db();
+    let mut client = crash_during_charge(&db, "after_commit");
+    let _server = restart(&db, &mut client, &[]);
+    let retry = client.charge("crash-key", &charge_body(4200));
+    assert_eq!(retry.status, 201);
+    assert!(
+        retry.replayed(),
+        "the effect was committed before the crash"
+    );
+    assert_eq!(client.all_charges().len(), 1);
+    assert_eq!(client.balance("shop"), 4200);
+    assert_eq!(journal_lines(&db).len(), 1);
+    support::assert_verified(&db);
+}
+
+/// A real SIGKILL while the acquirer call is in flight.
+#[test]
+fn sigkill_during_acquirer_call() {
+    let dir = TempDir::new("sigkill");
+    let db = dir.db();
+    let server = ChildServer::start(
+        &db,
+        &["--inflight-timeout", INFLIGHT, "--acquirer-latency", "3s"],
+        &[],
+    );
+    let mut client = Client::new(server.addr, server.initial_key.as_deref().unwrap());
+    client.card_and_shop();
+    let c = client.clone();
+    let pending = std::thread::spawn(move || {
+        c.try_request(
+            "POST",
+            "/v1/charges",
+            &[("Idempotency-Key", "k9")],
+            &charge_body(99).to_string(),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    server.kill();
+    let killed_at = Instant::now();
+    assert!(
+        pending.join().unwrap().is_err(),
+        "no answer from a killed server"
+    );
+
+    let _server = restart(&db, &mut client, &["--acquirer-latency", "0ms"]);
+    assert_eq!(client.charge("k9", &charge_body(99)).status, 409);
+    std::thread::sleep(
+        INFLIGHT_TIMEOUT.saturating_sub(killed_at.elapsed()) + Duration::from_millis(300),
+    );
+    let retry = client.charge("k9", &charge_body(99));
+    assert_eq!(retry.status, 201);
+    assert_eq!(client.all_charges().len(), 1);
+    assert_eq!(journal_lines(&db).len(), 1);
+    support::assert_verified(&db);
+}
+
+/// An orphan nobody retries is completed by the reaper; a late retry then
+/// replays the reaper's answer.
+#[test]
+fn reaper_completes_an_orphan_nobody_retries() {
+    let dir = TempDir::new("reaper");
+    let db = dir.db();
+    let mut client = crash_during_charge(&db, "after_reserve");
+    let _server = restart(&db, &mut client, &["--reaper-interval", "200ms"]);
+    let charges = support::eventually(Duration::from_secs(10), || {
+        let charges = client.all_charges();
+        (!charges.is_empty()).then_some(charges)
+    });
+    assert_eq!(charges.len(), 1);
+    let late = client.charge("crash-key", &charge_body(4200));
+    assert_eq!(late.status, 201);
+    assert!(late.replayed(), "the reaper completed the key");
+    assert_eq!(late.json()["id"], charges[0]["id"]);
+    let metrics = String::from_utf8(
+        support::send(client.addr, "GET", "/metrics", &[], b"")
+            .unwrap()
+            .body,
+    )
+    .unwrap();
+    assert!(
+        metrics.contains("idem_orphans_taken_over_total 1"),
+        "{metrics}"
+    );
+    support::assert_verified(&db);
+}
+
+/// An acquirer whose first call blocks until released: the first owner is
+/// stuck inside it past the in-flight timeout.
+struct StuckFirstCall {
+    calls: std::sync::atomic::AtomicUsize,
+    release: crossbeam_channel::Receiver<()>,
+    inner: idem::acquirer::Simulator,
+}
+
+impl Acquirer for StuckFirstCall {
+    fn authorize(
+        &self,
+        key: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<Authorization, Unavailable> {
+        if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            let _ = self.release.recv_timeout(Duration::from_secs(20));
+        }
+        self.inner.authorize(key, amount, currency)
+    }
+}
+
+/// Fencing: owner A is stuck past the in-flight timeout; B takes the key
+/// over and finishes; when A wakes up its commit is refused (stale fencing
+/// token) and it answers like a later duplicate. One charge, one authorization.
+#[test]
+fn stuck_owner_is_fenced_off_after_takeover() {
+    let (release_tx, release_rx) = crossbeam_channel::bounded(1);
+    let dir = TempDir::new("fence");
+    let mut config = idem::Config::new(dir.db());
+    config.addr = "127.0.0.1:0".parse().unwrap();
+    config.inflight_timeout = Duration::from_millis(300);
+    config.reaper_interval = Duration::from_secs(3600);
+    let acquirer = Arc::new(StuckFirstCall {
+        calls: Default::default(),
+        release: release_rx,
+        inner: idem::acquirer::Simulator::new(Duration::ZERO),
+    });
+    let server = idem::Server::start_with_acquirer(config, acquirer.clone()).unwrap();
+    let client = Client::new(server.addr(), server.initial_key().unwrap());
+    client.card_and_shop();
+
+    let c = client.clone();
+    let owner_a = std::thread::spawn(move || c.charge("fenced", &charge_body(500)));
+    std::thread::sleep(Duration::from_millis(600));
+    let b = client.charge("fenced", &charge_body(500));
+    assert_eq!(
+        b.status,
+        201,
+        "B took the orphan over: {}",
+        String::from_utf8_lossy(&b.body)
+    );
+    release_tx.send(()).unwrap();
+    let a = owner_a.join().unwrap();
+    assert_eq!(
+        a.status, 201,
+        "A lost and answers like a duplicate: the stored answer"
+    );
+    assert!(a.replayed());
+    assert_eq!(a.body, b.body);
+    assert_eq!(acquirer.calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert_eq!(client.all_charges().len(), 1);
+    assert_eq!(client.balance("shop"), 500);
+    support::assert_verified(server.db_path());
+}

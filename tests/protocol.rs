@@ -1,0 +1,325 @@
+//! The idempotency protocol through HTTP: scope, fingerprint, key syntax,
+//! what stores nothing, async mode, transient failures and natural ids.
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem::acquirer::{Acquirer, Authorization, Simulator, Unavailable};
+use serde_json::json;
+use support::{charge_body, Client};
+
+fn server(configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Client) {
+    let server = idem::Server::start_temporary(configure).expect("start server");
+    let client = Client::new(server.addr(), server.initial_key().expect("default key"));
+    client.card_and_shop();
+    (server, client)
+}
+
+#[test]
+fn same_key_from_two_consumers_names_two_requests() {
+    let (server, alice) = server(|_| {});
+    let bob = Client::new(server.addr(), &server.create_consumer("bob").unwrap());
+    bob.card_and_shop();
+    let a = alice.charge("shared-key", &charge_body(100));
+    let b = bob.charge("shared-key", &charge_body(100));
+    assert_eq!((a.status, b.status), (201, 201));
+    assert!(!b.replayed());
+    assert_ne!(a.json()["id"], b.json()["id"]);
+    assert_eq!(alice.all_charges().len(), 1);
+    assert_eq!(bob.all_charges().len(), 1);
+}
+
+#[test]
+fn same_key_on_two_routes_names_two_requests() {
+    let (_server, client) = server(|_| {});
+    let charge = client.charge("k", &charge_body(1000)).json();
+    let id = charge["id"].as_str().unwrap();
+    let refund = client.post(
+        &format!("/v1/charges/{id}/refunds"),
+        Some("k"),
+        &json!({"amount": 10}),
+    );
+    assert_eq!(
+        refund.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&refund.body)
+    );
+    let account = client.post("/v1/accounts", Some("k"), &json!({"currency": "BRL"}));
+    assert_eq!(account.status, 201);
+    // Two refund routes are two concrete paths.
+    let other = client.charge("k2", &charge_body(1000)).json();
+    let other_id = other["id"].as_str().unwrap();
+    let refund2 = client.post(
+        &format!("/v1/charges/{other_id}/refunds"),
+        Some("k"),
+        &json!({"amount": 10}),
+    );
+    assert_eq!(refund2.status, 201);
+    assert!(!refund2.replayed());
+}
+
+#[test]
+fn fingerprint_is_canonical_json() {
+    let (_server, client) = server(|_| {});
+    let first = client.request(
+        "POST",
+        "/v1/charges",
+        &[("Idempotency-Key", "canon")],
+        r#"{"amount":300,"currency":"BRL","source":"card","destination":"shop","metadata":{"a":"1","b":"2"}}"#,
+    );
+    assert_eq!(first.status, 201);
+    let reordered = client.request(
+        "POST",
+        "/v1/charges",
+        &[("Idempotency-Key", "canon")],
+        "{\n  \"metadata\": {\"b\": \"2\", \"a\": \"1\"},\n  \"destination\": \"shop\",\n  \"source\": \"card\",\n  \"currency\": \"BRL\",\n  \"amount\": 300\n}",
+    );
+    assert_eq!(reordered.status, 201);
+    assert!(reordered.replayed());
+    assert_eq!(reordered.body, first.body);
+    // Same body, different key: a second, legitimate, identical payment.
+    let twin = client.charge("canon-2", &charge_body(300));
+    assert_eq!(twin.status, 201);
+    assert!(!twin.replayed());
+}
+
+#[test]
+fn rejected_requests_store_nothing_and_leave_the_key_free() {
+    let (_server, client) = server(|_| {});
+    let cases: &[(&str, u16, &str)] = &[
+        (
+            r#"{"amount":1.5,"currency":"BRL","source":"card","destination":"shop"}"#,
+            400,
+            "invalid-request",
+        ),
+        (r#"{"amount":100}"#, 400, "invalid-request"),
+        ("{not json", 400, "invalid-request"),
+    ];
+    for (body, status, slug) in cases {
+        let r = client.request(
+            "POST",
+            "/v1/charges",
+            &[("Idempotency-Key", "free-key")],
+            body,
+        );
+        assert_eq!((r.status, r.slug().as_str()), (*status, *slug), "{body}");
+    }
+    let ok = client.charge("free-key", &charge_body(100));
+    assert_eq!(ok.status, 201, "a 400 did not consume the key");
+    assert!(!ok.replayed());
+}
+
+#[test]
+fn idempotency_key_header_syntax() {
+    let (_server, client) = server(|_| {});
+    let body = charge_body(10).to_string();
+    let post = |headers: &[(&str, &str)]| client.request("POST", "/v1/charges", headers, &body);
+    let missing = post(&[]);
+    assert_eq!(
+        (missing.status, missing.slug().as_str()),
+        (400, "idempotency-key-missing")
+    );
+    let long = "x".repeat(256);
+    for bad in ["", "has space", "\"unterminated", "\"a\"b\"", long.as_str()] {
+        let r = post(&[("Idempotency-Key", bad)]);
+        assert_eq!(
+            (r.status, r.slug().as_str()),
+            (400, "idempotency-key-invalid"),
+            "{bad:?}"
+        );
+    }
+    let two = client.request(
+        "POST",
+        "/v1/charges",
+        &[("Idempotency-Key", "a"), ("Idempotency-Key", "b")],
+        &body,
+    );
+    assert_eq!(two.slug(), "idempotency-key-invalid");
+    // A structured-field string is unquoted: "abc" and abc are one key.
+    let quoted = post(&[("Idempotency-Key", "\"sf-key\"")]);
+    assert_eq!(quoted.status, 201);
+    let bare = post(&[("Idempotency-Key", "sf-key")]);
+    assert!(bare.replayed());
+    assert_eq!(bare.body, quoted.body);
+    assert_eq!(client.all_charges().len(), 1);
+    // The key is never reflected into a header.
+    assert!(bare.headers.iter().all(|(_, v)| !v.contains("sf-key")));
+}
+
+#[test]
+fn async_mode_answers_202_and_the_operation_completes() {
+    let (_server, client) = server(|c| c.acquirer_latency = Duration::from_millis(600));
+    let prefer = [("Idempotency-Key", "async-1"), ("Prefer", "respond-async")];
+    let body = charge_body(250).to_string();
+    let accepted = client.request("POST", "/v1/charges", &prefer, &body);
+    assert_eq!(accepted.status, 202);
+    let op = accepted.json();
+    let op_id = op["id"].as_str().unwrap().to_string();
+    assert!(op_id.starts_with("op_"));
+    assert_eq!(op["status"], "in_progress");
+    let location = accepted.header("location").unwrap().to_string();
+    assert_eq!(location, format!("/v1/operations/{op_id}"));
+
+    let again = client.request("POST", "/v1/charges", &prefer, &body);
+    assert_eq!(
+        again.status, 202,
+        "a retry while in progress answers the same operation"
+    );
+    assert_eq!(again.json()["id"], op_id.as_str());
+    let sync_dup = client.request(
+        "POST",
+        "/v1/charges",
+        &[("Idempotency-Key", "async-1")],
+        &body,
+    );
+    assert_eq!(sync_dup.status, 409);
+    assert_eq!(client.get(&location).json()["status"], "in_progress");
+
+    let done = support::eventually(Duration::from_secs(10), || {
+        let op = client.get(&location).json();
+        (op["status"] == "completed").then_some(op)
+    });
+    assert_eq!(done["response"]["status"], 201);
+    let charge = &done["response"]["body"];
+    assert_eq!(charge["object"], "charge");
+    let after = client.request("POST", "/v1/charges", &prefer, &body);
+    assert_eq!(
+        after.status, 201,
+        "after completion: the stored final response"
+    );
+    assert!(after.replayed());
+    assert_eq!(after.json(), *charge);
+    assert_eq!(client.all_charges().len(), 1);
+}
+
+/// Fails its first `failures` calls, like an acquirer outage.
+struct Flaky {
+    failures: usize,
+    calls: AtomicUsize,
+    inner: Simulator,
+}
+
+impl Acquirer for Flaky {
+    fn authorize(
+        &self,
+        key: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<Authorization, Unavailable> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) < self.failures {
+            return Err(Unavailable("connection reset".into()));
+        }
+        self.inner.authorize(key, amount, currency)
+    }
+}
+
+#[test]
+fn transient_failure_answers_503_and_unlocks_the_key() {
+    let dir = support::TempDir::new("flaky");
+    let mut config = idem::Config::new(dir.db());
+    config.addr = "127.0.0.1:0".parse().unwrap();
+    let flaky = Arc::new(Flaky {
+        failures: 2,
+        calls: AtomicUsize::new(0),
+        inner: Simulator::new(Duration::ZERO),
+    });
+    let server = idem::Server::start_with_acquirer(config, flaky.clone()).unwrap();
+    let client = Client::new(server.addr(), server.initial_key().unwrap());
+    client.card_and_shop();
+    for _ in 0..2 {
+        let r = client.charge("flaky", &charge_body(80));
+        assert_eq!(
+            (r.status, r.slug().as_str()),
+            (503, "temporarily-unavailable")
+        );
+        assert_eq!(r.header("retry-after"), Some("1"));
+    }
+    assert!(
+        client.all_charges().is_empty(),
+        "no final answer, no effect"
+    );
+    // The key was unlocked: the retry resumes at once instead of a 409.
+    let ok = client.charge("flaky", &charge_body(80));
+    assert_eq!(ok.status, 201);
+    assert!(!ok.replayed());
+    assert_eq!(client.all_charges().len(), 1);
+    assert_eq!(flaky.calls.load(Ordering::SeqCst), 3);
+    support::assert_verified(server.db_path());
+}
+
+#[test]
+fn accounts_natural_id_and_key() {
+    let (_server, client) = server(|_| {});
+    let body = json!({"id": "till-1", "currency": "BRL", "metadata": {"store": "7"}});
+    let first = client.post("/v1/accounts", None, &body);
+    assert_eq!(first.status, 201);
+    // The same id with the same fields: 200, the existing account, replayed.
+    let same = client.post("/v1/accounts", None, &json!({"currency": "BRL", "id": "till-1", "allow_negative": false, "metadata": {"store": "7"}}));
+    assert_eq!(same.status, 200);
+    assert!(same.replayed());
+    assert_eq!(same.json()["id"], "till-1");
+    // The same id with other fields: 422 resource-mismatch.
+    let other = client.post(
+        "/v1/accounts",
+        None,
+        &json!({"id": "till-1", "currency": "USD"}),
+    );
+    assert_eq!(
+        (other.status, other.slug().as_str()),
+        (422, "resource-mismatch")
+    );
+
+    // Without an id, a key makes the generated account idempotent.
+    let keyed = client.post(
+        "/v1/accounts",
+        Some("acct-key"),
+        &json!({"currency": "BRL"}),
+    );
+    assert_eq!(keyed.status, 201);
+    assert!(keyed.json()["id"].as_str().unwrap().starts_with("acct_"));
+    let keyed_again = client.post(
+        "/v1/accounts",
+        Some("acct-key"),
+        &json!({"currency": "BRL"}),
+    );
+    assert!(keyed_again.replayed());
+    assert_eq!(keyed_again.body, keyed.body);
+    // Both an id and a key: the key is decided first.
+    let both = client.post(
+        "/v1/accounts",
+        Some("acct-key"),
+        &json!({"id": "till-1", "currency": "BRL", "metadata": {"store": "7"}}),
+    );
+    assert_eq!(
+        (both.status, both.slug().as_str()),
+        (422, "idempotency-key-reused")
+    );
+}
+
+#[test]
+fn metrics_expose_the_contract_names() {
+    let (server, client) = server(|_| {});
+    client.charge("m", &charge_body(1));
+    client.charge("m", &charge_body(1));
+    client.charge("m", &charge_body(2));
+    let r = support::send(server.addr(), "GET", "/metrics", &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    let text = String::from_utf8(r.body).unwrap();
+    for name in [
+        "idem_http_requests_total{route=\"/v1/charges\",status=\"201\"} 2",
+        "idem_http_request_duration_seconds_bucket",
+        "idem_idempotent_replays_total 1",
+        "idem_idempotency_conflicts_total{kind=\"in_use\"} 0",
+        "idem_idempotency_conflicts_total{kind=\"reused\"} 1",
+        "idem_orphans_taken_over_total 0",
+        "idem_keys_reaped_total 0",
+        "idem_commit_batch_size_bucket",
+        "idem_commit_duration_seconds_count",
+    ] {
+        assert!(text.contains(name), "missing {name} in\n{text}");
+    }
+}

@@ -1,0 +1,382 @@
+//! Shared test support: a minimal HTTP/1.1 client over a raw TcpStream (so
+//! tests see exactly the bytes the server sends), servers started through the
+//! embedding API, and `idem serve` child processes for crash tests.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "status {} body is not JSON ({e}): {}",
+                self.status,
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// The problem slug of an RFC 9457 body, checking its shape.
+    pub fn slug(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "status {}: {}",
+            self.status,
+            String::from_utf8_lossy(&self.body)
+        );
+        let body = self.json();
+        assert_eq!(body["status"], json!(self.status));
+        assert!(body["title"].is_string() && body["detail"].is_string());
+        body["type"]
+            .as_str()
+            .and_then(|t| t.strip_prefix("urn:idem:problem:"))
+            .expect("problem type")
+            .to_string()
+    }
+}
+
+/// Sends one request on a new connection (`Connection: close`) and reads the
+/// whole response.
+pub fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<Resp> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(READ_TIMEOUT))?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    if !body.is_empty() || method == "POST" {
+        head.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes())?;
+    stream.write_all(body)?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    parse_response(&raw)
+}
+
+pub fn parse_response(raw: &[u8]) -> std::io::Result<Resp> {
+    let bad = |why: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, why.to_string());
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| bad("no end of headers (connection closed early?)"))?;
+    let head = std::str::from_utf8(&raw[..split]).map_err(|_| bad("head not UTF-8"))?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().ok_or_else(|| bad("no status line"))?;
+    let status: u16 = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("bad status line"))?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    if let Some(len) = headers
+        .iter()
+        .find(|(n, _)| n == "content-length")
+        .and_then(|(_, v)| v.parse::<usize>().ok())
+    {
+        body.truncate(len);
+    }
+    Ok(Resp {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// A client bound to one server and one consumer key.
+#[derive(Clone)]
+pub struct Client {
+    pub addr: SocketAddr,
+    pub key: String,
+}
+
+impl Client {
+    pub fn new(addr: SocketAddr, key: &str) -> Client {
+        Client {
+            addr,
+            key: key.to_string(),
+        }
+    }
+
+    pub fn try_request(
+        &self,
+        method: &str,
+        path: &str,
+        extra: &[(&str, &str)],
+        body: &str,
+    ) -> std::io::Result<Resp> {
+        let auth = format!("Bearer {}", self.key);
+        let mut headers = vec![("Authorization", auth.as_str())];
+        headers.extend_from_slice(extra);
+        send(self.addr, method, path, &headers, body.as_bytes())
+    }
+
+    pub fn request(&self, method: &str, path: &str, extra: &[(&str, &str)], body: &str) -> Resp {
+        self.try_request(method, path, extra, body)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    pub fn get(&self, path: &str) -> Resp {
+        self.request("GET", path, &[], "")
+    }
+
+    pub fn post(&self, path: &str, key: Option<&str>, body: &Value) -> Resp {
+        let body = body.to_string();
+        match key {
+            Some(k) => self.request("POST", path, &[("Idempotency-Key", k)], &body),
+            None => self.request("POST", path, &[], &body),
+        }
+    }
+
+    pub fn account(&self, id: &str, allow_negative: bool) -> Value {
+        let r = self.post(
+            "/v1/accounts",
+            None,
+            &json!({"id": id, "currency": "BRL", "allow_negative": allow_negative}),
+        );
+        assert_eq!(
+            r.status,
+            201,
+            "create account {id}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        r.json()
+    }
+
+    /// A funding account `card` (may go negative) and a merchant `shop`.
+    pub fn card_and_shop(&self) {
+        self.account("card", true);
+        self.account("shop", false);
+    }
+
+    pub fn charge(&self, key: &str, body: &Value) -> Resp {
+        self.post("/v1/charges", Some(key), body)
+    }
+
+    pub fn balance(&self, account: &str) -> i64 {
+        let r = self.get(&format!("/v1/accounts/{account}"));
+        assert_eq!(r.status, 200);
+        r.json()["balance"].as_i64().expect("balance")
+    }
+
+    /// Every charge of this consumer (all pages).
+    pub fn all_charges(&self) -> Vec<Value> {
+        let mut all = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let path = match &after {
+                Some(id) => format!("/v1/charges?limit=100&starting_after={id}"),
+                None => "/v1/charges?limit=100".to_string(),
+            };
+            let page = self.get(&path).json();
+            let data = page["data"].as_array().expect("data").clone();
+            after = data.last().map(|c| c["id"].as_str().unwrap().to_string());
+            all.extend(data);
+            if page["has_more"] != json!(true) {
+                return all;
+            }
+        }
+    }
+}
+
+pub fn charge_body(amount: i64) -> Value {
+    json!({"amount": amount, "currency": "BRL", "source": "card", "destination": "shop"})
+}
+
+/// Runs `idem verify` on a database; returns (exit code, report).
+pub fn verify_cli(db: &Path) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["verify", "--db"])
+        .arg(db)
+        .output()
+        .expect("run idem verify");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+pub fn assert_verified(db: &Path) {
+    let (code, report) = verify_cli(db);
+    assert_eq!(code, 0, "idem verify failed:\n{report}");
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let path =
+            std::env::temp_dir().join(format!("idem-test-{tag}-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&path).unwrap();
+        TempDir(path)
+    }
+    pub fn db(&self) -> PathBuf {
+        self.0.join("idem.db")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// An `idem serve` child process.
+pub struct ChildServer {
+    pub child: Child,
+    pub addr: SocketAddr,
+    /// The `default` consumer's key, if this start created it.
+    pub initial_key: Option<String>,
+    stderr: mpsc::Receiver<String>,
+}
+
+impl ChildServer {
+    /// Starts `idem serve --db DB --addr 127.0.0.1:0 ARGS` with `env` and
+    /// waits for its "listening on" line.
+    pub fn start(db: &Path, args: &[&str], env: &[(&str, &str)]) -> ChildServer {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+        cmd.arg("serve")
+            .arg("--db")
+            .arg(db)
+            .args(["--addr", "127.0.0.1:0"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .env_remove("IDEM_FAULT");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn idem serve");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut initial_key = None;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = rx
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("idem serve did not start: {:?}", child.try_wait()));
+            if let Some(key) = line.split_whitespace().find(|w| w.starts_with("sk_")) {
+                initial_key = Some(key.to_string());
+            }
+            if let Some(url) = line.strip_prefix("listening on http://") {
+                let addr = url.trim().parse().expect("listening address");
+                return ChildServer {
+                    child,
+                    addr,
+                    initial_key,
+                    stderr: rx,
+                };
+            }
+        }
+    }
+
+    /// SIGKILL, and wait for it to be gone.
+    pub fn kill(mut self) {
+        self.child.kill().expect("SIGKILL");
+        self.child.wait().expect("reap child");
+    }
+
+    /// Waits for the process to exit on its own (after a fault point).
+    pub fn wait_exit(mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "server did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// stderr lines printed so far.
+    pub fn stderr_lines(&self) -> Vec<String> {
+        self.stderr.try_iter().collect()
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Creates a consumer through the CLI and returns its key.
+pub fn create_consumer_cli(db: &Path, name: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["consumers", "create", name, "--db"])
+        .arg(db)
+        .output()
+        .expect("run idem consumers create");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// Polls `f` until it returns Some or `within` passes.
+pub fn eventually<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "condition not met within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
