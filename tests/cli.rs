@@ -1,0 +1,218 @@
+//! The command line: help and usage errors, consumers, verify, the process
+//! lock, signals and a clean shutdown that finishes in-flight requests.
+
+mod support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use support::{charge_body, ChildServer, Client, TempDir};
+
+fn idem(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .env_remove("IDEM_DB")
+        .output()
+        .expect("run idem")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn every_command_has_help_and_bad_usage_exits_2() {
+    for args in [
+        &["--help"][..],
+        &["serve", "--help"],
+        &["consumers", "--help"],
+        &["consumers", "create", "--help"],
+        &["consumers", "list", "--help"],
+        &["verify", "--help"],
+    ] {
+        let out = idem(args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        assert!(text(&out.stdout).contains("Usage: idem"), "{args:?}");
+    }
+    let serve_help = text(&idem(&["serve", "--help"]).stdout);
+    for flag in [
+        "--db",
+        "--addr",
+        "--workers",
+        "--key-retention",
+        "--inflight-timeout",
+        "--reaper-interval",
+        "--acquirer-latency",
+        "--synchronous",
+        "--commit-batch-max",
+        "IDEM_KEY_RETENTION",
+    ] {
+        assert!(serve_help.contains(flag), "serve --help lacks {flag}");
+    }
+    for args in [
+        &["frobnicate"][..],
+        &["serve", "--key-retention", "5w"],
+        &["serve", "--inflight-timeout", "10"],
+        &["serve", "--workers", "0"],
+        &["serve", "--synchronous", "off"],
+        &["serve", "--reaper-interval", "0s"],
+        &["consumers", "create"],
+    ] {
+        let out = idem(args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn consumers_create_prints_the_key_once_and_stores_only_its_hash() {
+    let dir = TempDir::new("consumers");
+    let db = dir.db();
+    let db_arg = db.to_str().unwrap();
+    let key = support::create_consumer_cli(&db, "pos-7");
+    assert!(key.starts_with("sk_") && key.len() >= 60, "{key}");
+    let list = idem(&["consumers", "list", "--db", db_arg]);
+    assert_eq!(list.status.code(), Some(0));
+    let listed = text(&list.stdout);
+    assert!(listed.contains("pos-7"));
+    assert!(!listed.contains("sk_"), "list never shows keys");
+    let dup = idem(&["consumers", "create", "pos-7", "--db", db_arg]);
+    assert_eq!(dup.status.code(), Some(1));
+    assert!(text(&dup.stderr).contains("already exists"));
+    let bad = idem(&["consumers", "create", "no spaces", "--db", db_arg]);
+    assert_eq!(bad.status.code(), Some(1));
+    // Only the hash is on disk (database and WAL).
+    let secret = &key.as_bytes()[3..];
+    for file in [db.clone(), db.with_extension("db-wal")] {
+        let bytes = std::fs::read(&file).unwrap_or_default();
+        assert!(
+            !bytes.windows(secret.len()).any(|w| w == secret),
+            "key in {file:?}"
+        );
+    }
+    // The key works against a server on that database.
+    let server = ChildServer::start(&db, &[], &[]);
+    assert!(
+        server.initial_key.is_none(),
+        "no default consumer when one exists"
+    );
+    let client = Client::new(server.addr, &key);
+    assert_eq!(client.get("/v1/charges").status, 200);
+}
+
+#[test]
+fn verify_reports_a_missing_database() {
+    let dir = TempDir::new("verify-missing");
+    let out = idem(&["verify", "--db", dir.db().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("no database"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn serve_refuses_what_it_cannot_run_on() {
+    let out = idem(&["serve", "--db", ":memory:", "--addr", "127.0.0.1:0"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains(":memory:"));
+
+    let dir = TempDir::new("refuse");
+    let db = dir.db();
+    let first = ChildServer::start(&db, &[], &[]);
+    let second = idem(&[
+        "serve",
+        "--db",
+        db.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+    ]);
+    assert_eq!(second.status.code(), Some(1));
+    assert!(
+        text(&second.stderr).contains("locked by another idem serve"),
+        "{}",
+        text(&second.stderr)
+    );
+    first.kill();
+
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    conn.pragma_update(None, "user_version", 99).unwrap();
+    drop(conn);
+    let newer = idem(&[
+        "serve",
+        "--db",
+        db.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+    ]);
+    assert_eq!(newer.status.code(), Some(1));
+    let stderr = text(&newer.stderr);
+    assert!(
+        stderr.contains("newer") && stderr.lines().count() == 1,
+        "{stderr}"
+    );
+}
+
+#[test]
+fn environment_variables_configure_serve() {
+    let dir = TempDir::new("env");
+    let db = dir.db();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("serve")
+        .env("IDEM_DB", &db)
+        .env("IDEM_ADDR", "127.0.0.1:0")
+        .env("IDEM_KEY_RETENTION", "bogus")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert_eq!(
+        child.wait().unwrap().code(),
+        Some(2),
+        "IDEM_KEY_RETENTION is read"
+    );
+    let s = ChildServer::start(&db, &[], &[("IDEM_ACQUIRER_LATENCY", "1ms")]);
+    assert!(db.exists(), "IDEM_DB/--db names the file");
+    assert!(
+        s.initial_key.is_some(),
+        "first start creates the default consumer"
+    );
+}
+
+/// SIGTERM (and SIGINT): stop accepting, finish the request in flight, exit 0.
+#[test]
+fn sigterm_finishes_in_flight_requests_and_exits_0() {
+    for signal in ["TERM", "INT"] {
+        let dir = TempDir::new("sigterm");
+        let db = dir.db();
+        let server = ChildServer::start(&db, &["--acquirer-latency", "800ms"], &[]);
+        let client = Client::new(server.addr, server.initial_key.as_deref().unwrap());
+        client.card_and_shop();
+        let c = client.clone();
+        let in_flight = std::thread::spawn(move || c.charge("bye", &charge_body(10)));
+        std::thread::sleep(Duration::from_millis(300));
+        let pid = server.child.id().to_string();
+        assert!(Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status()
+            .unwrap()
+            .success());
+        let answered = in_flight.join().unwrap();
+        assert_eq!(
+            answered.status, 201,
+            "SIG{signal}: the in-flight charge was finished"
+        );
+        let status = server.wait_exit(Duration::from_secs(10));
+        assert_eq!(status.code(), Some(0), "SIG{signal}: clean shutdown");
+        support::assert_verified(&db);
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        let n: i64 = conn
+            .query_row("SELECT count(*) FROM charges", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(n, 1);
+    }
+}

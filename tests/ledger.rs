@@ -1,0 +1,425 @@
+//! Ledger behaviour through HTTP: bad input changes nothing, business
+//! outcomes are stored and replayed, natural idempotency by `reference`,
+//! refunds, lists, tenant isolation on every route, and `idem verify`.
+
+mod support;
+
+use rusqlite::Connection;
+use serde_json::{json, Value};
+use support::{charge_body, Client, Resp};
+
+fn server() -> (idem::Server, Client) {
+    let server = idem::Server::start_temporary(|_| {}).expect("start server");
+    let client = Client::new(server.addr(), server.initial_key().expect("default key"));
+    client.card_and_shop();
+    (server, client)
+}
+
+/// Everything a consumer can observe of its ledger.
+fn snapshot(client: &Client) -> Value {
+    json!({
+        "card": client.get("/v1/accounts/card").json(),
+        "shop": client.get("/v1/accounts/shop").json(),
+        "card_entries": client.get("/v1/accounts/card/entries?limit=100").json(),
+        "charges": client.all_charges(),
+    })
+}
+
+/// (method, path, extra headers, body, expected status, expected slug)
+type Case<'a> = (
+    &'a str,
+    &'a str,
+    Vec<(&'a str, &'a str)>,
+    String,
+    u16,
+    &'a str,
+);
+
+#[test]
+fn bad_input_gets_its_slug_and_changes_nothing() {
+    let (server, client) = server();
+    client.charge("seed", &charge_body(100));
+    let before = snapshot(&client);
+    let key = [("Idempotency-Key", "bad-1")];
+    let auth = format!("Bearer {}", client.key);
+    let big = format!(
+        r#"{{"amount":1,"currency":"BRL","source":"card","destination":"shop","description":"{}"}}"#,
+        "x".repeat(70_000)
+    );
+    let fifty_one: serde_json::Map<String, Value> =
+        (0..51).map(|i| (format!("k{i}"), json!("v"))).collect();
+    let many_keys = json!({"amount": 1, "currency": "BRL", "source": "card", "destination": "shop", "metadata": fifty_one}).to_string();
+    #[rustfmt::skip]
+    let cases: Vec<Case> = vec![
+        ("POST", "/v1/charges", key.to_vec(), "{".into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), "[]".into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), r#"{"amount":1,"currency":"BRL","source":"card","destination":"shop","tip":1}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), r#"{"amount":1.0,"currency":"BRL","source":"card","destination":"shop"}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), r#"{"amount":0,"currency":"BRL","source":"card","destination":"shop"}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), r#"{"amount":1000000000000001,"currency":"BRL","source":"card","destination":"shop"}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), r#"{"amount":99999999999999999999,"currency":"BRL","source":"card","destination":"shop"}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), r#"{"amount":"5","currency":"BRL","source":"card","destination":"shop"}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), r#"{"amount":5,"currency":"brl","source":"card","destination":"shop"}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), r#"{"amount":5,"currency":"BRL","source":"card","destination":"card"}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), r#"{"amount":5,"currency":"BRL","source":"card"}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), format!(r#"{{"amount":5,"currency":"BRL","source":"card","destination":"shop","reference":"{}"}}"#, "r".repeat(129)), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), format!(r#"{{"amount":5,"currency":"BRL","source":"card","destination":"shop","description":"{}"}}"#, "d".repeat(501)), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), r#"{"amount":5,"currency":"BRL","source":"card","destination":"shop","metadata":{"n":1}}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), many_keys, 400, "invalid-request"),
+        ("POST", "/v1/charges", key.to_vec(), big, 413, "body-too-large"),
+        ("POST", "/v1/charges", vec![], charge_body(5).to_string(), 400, "idempotency-key-missing"),
+        ("POST", "/v1/charges", vec![("Idempotency-Key", "a b")], charge_body(5).to_string(), 400, "idempotency-key-invalid"),
+        ("POST", "/v1/accounts", vec![], r#"{"currency":"BRL","id":"bad id"}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/accounts", vec![], r#"{"currency":"BRL","allow_negative":"yes"}"#.into(), 400, "invalid-request"),
+        ("POST", "/v1/charges/nope/refunds", key.to_vec(), r#"{"amount":-1}"#.into(), 400, "invalid-request"),
+        ("DELETE", "/v1/charges", vec![], String::new(), 405, "method-not-allowed"),
+        ("GET", "/v1/refunds", vec![], String::new(), 404, "not-found"),
+        ("GET", "/v1/charges/ch_missing", vec![], String::new(), 404, "not-found"),
+        ("GET", "/v1/charges?limit=0", vec![], String::new(), 400, "invalid-request"),
+        ("GET", "/v1/charges?limit=101", vec![], String::new(), 400, "invalid-request"),
+        ("GET", "/v1/charges?starting_after=ch_missing", vec![], String::new(), 400, "invalid-request"),
+    ];
+    for (method, path, extra, body, status, slug) in cases {
+        let mut headers = vec![("Authorization", auth.as_str())];
+        headers.extend(extra);
+        let r = support::send(server.addr(), method, path, &headers, body.as_bytes()).unwrap();
+        let shown: String = body.chars().take(80).collect();
+        assert_eq!(
+            (r.status, r.slug().as_str()),
+            (status, slug),
+            "{method} {path} {shown}"
+        );
+        if status == 405 {
+            assert_eq!(r.header("allow"), Some("GET, POST"));
+        }
+        assert_eq!(
+            snapshot(&client),
+            before,
+            "{method} {path} {shown} changed the ledger"
+        );
+    }
+    // Unauthenticated requests: 401 before anything else, even unknown routes.
+    for (headers, path) in [
+        (vec![], "/v1/charges"),
+        (vec![("Authorization", "Bearer sk_wrong")], "/v1/charges"),
+        (vec![("Authorization", "Basic abc")], "/v1/accounts/card"),
+        (vec![], "/v1/nowhere"),
+    ] {
+        let r = support::send(server.addr(), "GET", path, &headers, b"").unwrap();
+        assert_eq!(
+            (r.status, r.slug().as_str()),
+            (401, "unauthorized"),
+            "{path}"
+        );
+    }
+    let health = support::send(server.addr(), "GET", "/healthz", &[], b"").unwrap();
+    assert_eq!(
+        (health.status, health.json()),
+        (200, json!({"status": "ok"}))
+    );
+    // The key of every rejected request above is still free.
+    assert_eq!(client.charge("bad-1", &charge_body(5)).status, 201);
+}
+
+fn assert_replayed_problem(first: &Resp, again: &Resp, status: u16, slug: &str) {
+    assert_eq!((first.status, first.slug().as_str()), (status, slug));
+    assert_eq!(again.status, status);
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+}
+
+#[test]
+fn business_outcomes_are_stored_and_replayed() {
+    let (_server, client) = server();
+    client.post(
+        "/v1/accounts",
+        None,
+        &json!({"id": "usd", "currency": "USD"}),
+    );
+    let broke = json!({"amount": 5, "currency": "BRL", "source": "shop", "destination": "card"});
+    let first = client.charge("k402", &broke);
+    // Even after the shop has funds, the key's answer stays 402.
+    client.charge("fund", &charge_body(100));
+    let again = client.charge("k402", &broke);
+    assert_replayed_problem(&first, &again, 402, "insufficient-funds");
+
+    let missing = json!({"amount": 5, "currency": "BRL", "source": "card", "destination": "ghost"});
+    let first = client.charge("k404", &missing);
+    client.post(
+        "/v1/accounts",
+        None,
+        &json!({"id": "ghost", "currency": "BRL"}),
+    );
+    let again = client.charge("k404", &missing);
+    assert_replayed_problem(&first, &again, 404, "account-not-found");
+
+    let mixed = json!({"amount": 5, "currency": "BRL", "source": "card", "destination": "usd"});
+    let first = client.charge("k422", &mixed);
+    let again = client.charge("k422", &mixed);
+    assert_replayed_problem(&first, &again, 422, "currency-mismatch");
+
+    assert_eq!(client.all_charges().len(), 1, "declines create no charge");
+    assert_eq!(client.balance("shop"), 100);
+    assert_eq!(
+        client.get("/v1/accounts/usd/entries").json()["data"],
+        json!([])
+    );
+}
+
+#[test]
+fn reference_is_natural_idempotency() {
+    let (_server, client) = server();
+    let mut body = charge_body(900);
+    body["reference"] = json!("invoice-77");
+    let first = client.charge("k1", &body);
+    assert_eq!(first.status, 201);
+    let by_reference = client.charge("k2", &body);
+    assert_eq!(by_reference.status, 200);
+    assert!(by_reference.replayed());
+    assert_eq!(by_reference.json()["id"], first.json()["id"]);
+    let k2_again = client.charge("k2", &body);
+    assert_eq!((k2_again.status, &k2_again.body), (200, &by_reference.body));
+    let mut changed = body.clone();
+    changed["amount"] = json!(901);
+    let mismatch = client.charge("k3", &changed);
+    assert_eq!(
+        (mismatch.status, mismatch.slug().as_str()),
+        (422, "resource-mismatch")
+    );
+    assert_eq!(client.all_charges().len(), 1);
+    assert_eq!(client.balance("shop"), 900);
+}
+
+#[test]
+fn refunds_reverse_entries_and_never_exceed_the_charge() {
+    let (_server, client) = server();
+    let charge = client.charge("c", &charge_body(1000)).json();
+    let id = charge["id"].as_str().unwrap();
+    let path = format!("/v1/charges/{id}/refunds");
+    let part = client.post(&path, Some("r1"), &json!({"amount": 300}));
+    assert_eq!(part.status, 201);
+    let refund = part.json();
+    assert_eq!(
+        (
+            refund["object"].clone(),
+            refund["charge"].clone(),
+            refund["amount"].clone()
+        ),
+        (json!("refund"), json!(id), json!(300))
+    );
+    assert!(refund["id"].as_str().unwrap().starts_with("re_"));
+    let replay = client.post(&path, Some("r1"), &json!({"amount": 300}));
+    assert!(replay.replayed());
+    assert_eq!(replay.body, part.body);
+    let over = client.post(&path, Some("r2"), &json!({"amount": 701}));
+    assert_eq!(
+        (over.status, over.slug().as_str()),
+        (422, "refund-exceeds-charge")
+    );
+    let rest = client.post(&path, Some("r3"), &json!({}));
+    assert_eq!(
+        (rest.status, rest.json()["amount"].clone()),
+        (201, json!(700))
+    );
+    let nothing_left = client.post(&path, Some("r4"), &json!({}));
+    assert_eq!(nothing_left.slug(), "refund-exceeds-charge");
+    assert_eq!(
+        client.get(&format!("/v1/charges/{id}")).json()["amount_refunded"],
+        1000
+    );
+    assert_eq!((client.balance("card"), client.balance("shop")), (0, 0));
+    let entries = client.get("/v1/accounts/shop/entries").json();
+    let data = entries["data"].as_array().unwrap();
+    assert_eq!(data.len(), 3);
+    assert_eq!(data[0]["amount"], -700);
+    assert_eq!(data[0]["refund"], rest.json()["id"]);
+    assert_eq!(data[0]["charge"], id);
+    assert_eq!(data[2]["amount"], 1000);
+    assert_eq!(data[2]["refund"], Value::Null);
+    let unknown = client.post("/v1/charges/ch_nope/refunds", Some("r5"), &json!({}));
+    assert_eq!(
+        (unknown.status, unknown.slug().as_str()),
+        (404, "not-found")
+    );
+}
+
+#[test]
+fn refund_that_would_overdraw_the_destination_is_402() {
+    let (_server, client) = server();
+    client.account("payout", false);
+    let charge = client.charge("c", &charge_body(1000)).json();
+    let pay_out =
+        json!({"amount": 900, "currency": "BRL", "source": "shop", "destination": "payout"});
+    assert_eq!(client.charge("p", &pay_out).status, 201);
+    let path = format!("/v1/charges/{}/refunds", charge["id"].as_str().unwrap());
+    let r = client.post(&path, Some("r"), &json!({}));
+    assert_eq!((r.status, r.slug().as_str()), (402, "insufficient-funds"));
+    assert_eq!(client.balance("shop"), 100);
+    assert_eq!(
+        client
+            .get(&format!("/v1/charges/{}", charge["id"].as_str().unwrap()))
+            .json()["amount_refunded"],
+        0
+    );
+}
+
+#[test]
+fn lists_page_newest_first() {
+    let (_server, client) = server();
+    let ids: Vec<String> = (0..25)
+        .map(|i| {
+            client.charge(&format!("k{i}"), &charge_body(i + 1)).json()["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    let first = client.get("/v1/charges").json();
+    assert_eq!(first["object"], "list");
+    assert_eq!(first["data"].as_array().unwrap().len(), 10, "default limit");
+    assert_eq!(first["data"][0]["id"], ids[24].as_str());
+    assert_eq!(first["has_more"], true);
+    let all: Vec<String> = client
+        .all_charges()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_string())
+        .collect();
+    let mut newest_first = ids.clone();
+    newest_first.reverse();
+    assert_eq!(all, newest_first);
+    let last = client
+        .get(&format!("/v1/charges?limit=5&starting_after={}", ids[4]))
+        .json();
+    assert_eq!(last["data"].as_array().unwrap().len(), 4);
+    assert_eq!(last["has_more"], false);
+    let entries = client.get("/v1/accounts/shop/entries?limit=3").json();
+    assert_eq!(entries["data"][0]["amount"], 25);
+    assert_eq!(entries["data"][0]["object"], "entry");
+    assert!(entries["data"][0]["id"]
+        .as_str()
+        .unwrap()
+        .starts_with("evt_"));
+}
+
+/// Every route, with another consumer's ids: 404 exactly like ids that do
+/// not exist, and nothing changes for the owner.
+#[test]
+fn tenant_isolation_on_every_route() {
+    let (server, alice) = server();
+    let charge = alice.charge("a", &charge_body(50)).json();
+    let charge_id = charge["id"].as_str().unwrap();
+    let op = alice.request(
+        "POST",
+        "/v1/charges",
+        &[("Idempotency-Key", "op"), ("Prefer", "respond-async")],
+        &charge_body(1).to_string(),
+    );
+    let op_path = op.header("location").unwrap().to_string();
+    let before = snapshot(&alice);
+
+    let mallory = Client::new(server.addr(), &server.create_consumer("mallory").unwrap());
+    let cases: Vec<(&str, String, Option<Value>, &str)> = vec![
+        ("GET", "/v1/accounts/card".into(), None, "not-found"),
+        ("GET", "/v1/accounts/card/entries".into(), None, "not-found"),
+        ("GET", format!("/v1/charges/{charge_id}"), None, "not-found"),
+        ("GET", op_path.clone(), None, "not-found"),
+        (
+            "POST",
+            format!("/v1/charges/{charge_id}/refunds"),
+            Some(json!({})),
+            "not-found",
+        ),
+        (
+            "POST",
+            "/v1/charges".into(),
+            Some(charge_body(5)),
+            "account-not-found",
+        ),
+    ];
+    for (method, path, body, slug) in cases {
+        let r = match body {
+            Some(b) => mallory.post(&path, Some("m"), &b),
+            None => mallory.get(&path),
+        };
+        assert_eq!(
+            (r.status, r.slug().as_str()),
+            (404, slug),
+            "{method} {path}"
+        );
+    }
+    assert_eq!(mallory.get("/v1/charges").json()["data"], json!([]));
+    // Mallory's own natural ids do not collide with Alice's.
+    assert_eq!(
+        mallory
+            .post(
+                "/v1/accounts",
+                None,
+                &json!({"id": "card", "currency": "BRL"})
+            )
+            .status,
+        201
+    );
+    support::eventually(std::time::Duration::from_secs(5), || {
+        (alice.get(&op_path).json()["status"] == "completed").then_some(())
+    });
+    let mut after = snapshot(&alice);
+    // The async charge completed meanwhile; compare everything but it.
+    after["charges"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|c| c["amount"] != 1);
+    let mut before = before;
+    before["charges"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|c| c["amount"] != 1);
+    assert_eq!(after["charges"], before["charges"]);
+    assert_eq!(
+        alice.get(&format!("/v1/charges/{charge_id}")).json()["amount_refunded"],
+        0
+    );
+}
+
+#[test]
+fn verify_passes_on_a_healthy_ledger_and_fails_on_a_tampered_one() {
+    let (server, client) = server();
+    let charge = client.charge("c", &charge_body(500)).json();
+    client.post(
+        &format!("/v1/charges/{}/refunds", charge["id"].as_str().unwrap()),
+        Some("r"),
+        &json!({"amount": 100}),
+    );
+    let db = server.db_path().to_path_buf();
+    support::assert_verified(&db);
+
+    let conn = Connection::open(&db).unwrap();
+    conn.execute(
+        "UPDATE accounts SET balance = balance + 1 WHERE public_id = 'shop'",
+        [],
+    )
+    .unwrap();
+    let (code, report) = support::verify_cli(&db);
+    assert_eq!(code, 1, "{report}");
+    assert!(report.contains("balances sum to zero"), "{report}");
+    assert!(
+        report.contains("balance equals the sum of its entries"),
+        "{report}"
+    );
+    conn.execute(
+        "UPDATE accounts SET balance = balance - 1 WHERE public_id = 'shop'",
+        [],
+    )
+    .unwrap();
+    support::assert_verified(&db);
+
+    conn.execute("UPDATE charges SET amount_refunded = amount + 1", [])
+        .unwrap_err();
+    conn.execute(
+        "DELETE FROM entries WHERE refund_id IS NOT NULL AND amount < 0",
+        [],
+    )
+    .unwrap();
+    let (code, report) = support::verify_cli(&db);
+    assert_eq!(code, 1);
+    assert!(report.contains("refund"), "{report}");
+}
