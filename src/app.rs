@@ -74,7 +74,8 @@ struct OperationObject<'a> {
 #[derive(Serialize)]
 struct OperationResponse {
     status: u16,
-    body: Value,
+    /// The stored answer's bytes, embedded as they are.
+    body: Box<serde_json::value::RawValue>,
 }
 
 impl App {
@@ -104,7 +105,8 @@ impl App {
                     .name(format!("idem-async-{i}"))
                     .spawn(move || {
                         while let Ok(Background::Run(row)) = rx.recv() {
-                            app.run_operation_guarded(*row);
+                            // The reply is stored by the operation, not sent.
+                            let _ = app.run_operation_guarded(*row);
                         }
                     })
                     .expect("spawn async thread")
@@ -289,7 +291,7 @@ impl App {
                     self.metrics.orphans_taken_over.inc();
                 }
                 match mode {
-                    Mode::Sync => self.run_operation(row),
+                    Mode::Sync => self.run_operation_guarded(row),
                     Mode::Async => self.run_in_background(row),
                 }
             }
@@ -315,12 +317,15 @@ impl App {
         }
     }
 
-    fn run_operation_guarded(&self, row: KeyRow) {
+    /// [`App::run_operation`], but a panic (a bug) unlocks the key so that
+    /// the next retry resumes from its recovery point, and answers 500.
+    fn run_operation_guarded(&self, row: KeyRow) -> Reply {
         let owner = row.owner();
-        if catch_unwind(AssertUnwindSafe(|| self.run_operation(row))).is_err() {
+        catch_unwind(AssertUnwindSafe(|| self.run_operation(row))).unwrap_or_else(|_| {
             log::error!("operation {} panicked; key unlocked", owner.op_id);
             let _ = self.writer.call(move |tx| idempotency::unlock(tx, &owner));
-        }
+            Problem::Internal.reply()
+        })
     }
 
     /// Drives an owned operation from its recovery point to its final answer.
@@ -567,7 +572,10 @@ fn operation_object(row: &KeyRow) -> OperationObject<'_> {
         },
         response: row.response.as_ref().map(|r| OperationResponse {
             status: r.status,
-            body: serde_json::from_slice(&r.body).unwrap_or(Value::Null),
+            body: String::from_utf8(r.body.clone())
+                .ok()
+                .and_then(|s| serde_json::value::RawValue::from_string(s).ok())
+                .expect("stored bodies are JSON"),
         }),
     }
 }

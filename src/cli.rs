@@ -120,7 +120,7 @@ pub fn run() -> Result<i32> {
         Command::Consumers {
             command: ConsumersCommand::List,
         } => {
-            let conn = store::open_rw(&cli.db, Synchronous::Full)?;
+            let conn = store::open_existing(&cli.db)?;
             println!("{:<24} {:<40} created_at", "name", "id");
             for c in consumers::list(&conn)? {
                 println!("{:<24} {:<40} {}", c.name, c.public_id, c.created_at);
@@ -153,7 +153,7 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
     config.commit_batch_max = usize::from(args.commit_batch_max);
     if let Ok(fault) = std::env::var("IDEM_FAULT") {
         let point = FaultPoint::parse(&fault)
-            .ok_or_else(|| Error::Config(format!("IDEM_FAULT: unknown fault point '{fault}'")))?;
+            .ok_or_else(|| Error::Usage(format!("IDEM_FAULT: unknown fault point '{fault}'")))?;
         config.fault = Some(point);
     }
     // Signal handlers are installed before the server starts, so a signal

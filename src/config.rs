@@ -54,8 +54,9 @@ pub const HEADER_BYTES_MAX: usize = 16 * 1024;
 pub const CONNECTIONS_MAX: usize = 1024;
 /// How long shutdown waits for in-flight requests before closing anyway.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
-/// SQLite busy timeout for connections other than the writer (CLI commands,
-/// readers during a checkpoint).
+/// SQLite busy timeout of every connection: how long a statement waits for a
+/// lock held by another process (a CLI command beside a running server) or a
+/// checkpoint before it fails with SQLITE_BUSY.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// SQLite `synchronous` in WAL mode.

@@ -38,7 +38,7 @@ pub fn valid_name(name: &str) -> bool {
 /// key exists outside the client).
 pub fn create(conn: &Connection, name: &str) -> Result<(Consumer, String)> {
     if !valid_name(name) {
-        return Err(Error::Config(format!(
+        return Err(Error::Usage(format!(
             "consumer name '{name}' must be 1 to {CONSUMER_NAME_LEN_MAX} characters of \
              A-Z a-z 0-9 _ - ."
         )));

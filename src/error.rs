@@ -24,8 +24,10 @@ pub enum Error {
     },
     /// Another `idem serve` holds the database.
     Locked(String),
-    /// Bad configuration or usage.
+    /// A configuration the program cannot run with (exit 1).
     Config(String),
+    /// A command line that makes no sense (exit 2, like a parse error).
+    Usage(String),
     /// Anything else, with a one-line reason.
     Other(String),
 }
@@ -43,9 +45,11 @@ impl Error {
             | Error::Unavailable(_)
             | Error::Storage(_)
             | Error::Acquirer(_) => true,
-            Error::SchemaTooNew { .. } | Error::Locked(_) | Error::Config(_) | Error::Other(_) => {
-                false
-            }
+            Error::SchemaTooNew { .. }
+            | Error::Locked(_)
+            | Error::Config(_)
+            | Error::Usage(_)
+            | Error::Other(_) => false,
         }
     }
 }
@@ -65,7 +69,7 @@ impl fmt::Display for Error {
                  upgrade idem"
             ),
             Error::Locked(why) => f.write_str(why),
-            Error::Config(why) => f.write_str(why),
+            Error::Config(why) | Error::Usage(why) => f.write_str(why),
             Error::Other(why) => f.write_str(why),
         }
     }

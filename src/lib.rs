@@ -73,6 +73,7 @@ impl Server {
     /// Starts a server as configured, with the built-in acquirer simulator
     /// (its memory of keys kept next to the database, in `<db>.acquirer`).
     pub fn start(config: Config) -> Result<Server> {
+        refuse_memory(&config)?;
         let journal = Simulator::journal_path(&config.db);
         let acquirer = Simulator::with_journal(config.acquirer_latency, &journal)?;
         Server::start_with_acquirer(config, Arc::new(acquirer))
@@ -94,13 +95,7 @@ impl Server {
     /// Starts a server that calls `acquirer` instead of the simulator (to
     /// inject a slow or failing third party).
     pub fn start_with_acquirer(config: Config, acquirer: Arc<dyn Acquirer>) -> Result<Server> {
-        if config.db.as_os_str() == ":memory:" {
-            return Err(Error::Config(
-                "--db :memory: cannot be shared by the writer and the readers; \
-                 use a file (the embedding API offers a temporary one)"
-                    .into(),
-            ));
-        }
+        refuse_memory(&config)?;
         let lock = ProcessLock::acquire(&config.db)?;
         let conn = store::open_rw(&config.db, config.synchronous)?;
         let initial_key = if consumers::count(&conn)? == 0 {
@@ -167,6 +162,13 @@ impl Server {
         self.app.create_consumer(name)
     }
 
+    /// The application behind the HTTP front end: every operation as a
+    /// synchronous call, for benches (the no-HTTP floor) and for embedders
+    /// who want the ledger without HTTP.
+    pub fn app(&self) -> &Arc<App> {
+        &self.app
+    }
+
     /// Runs one reaper pass now (orphans, then retention), as the reaper
     /// thread does every `--reaper-interval`.
     pub fn reap_now(&self) {
@@ -194,6 +196,18 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// `:memory:` cannot be shared by the writer and the readers.
+fn refuse_memory(config: &Config) -> Result<()> {
+    if config.db.as_os_str() == ":memory:" {
+        return Err(Error::Usage(
+            "--db :memory: cannot be shared by the writer and the readers; \
+             use a file (the embedding API offers a temporary one)"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// A directory removed (with its contents) on drop.

@@ -6,7 +6,10 @@ fn main() {
         Ok(code) => code,
         Err(e) => {
             eprintln!("idem: {e}");
-            1
+            match e {
+                idem::Error::Usage(_) => 2,
+                _ => 1,
+            }
         }
     };
     std::process::exit(code);

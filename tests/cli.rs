@@ -84,7 +84,7 @@ fn consumers_create_prints_the_key_once_and_stores_only_its_hash() {
     assert_eq!(dup.status.code(), Some(1));
     assert!(text(&dup.stderr).contains("already exists"));
     let bad = idem(&["consumers", "create", "no spaces", "--db", db_arg]);
-    assert_eq!(bad.status.code(), Some(1));
+    assert_eq!(bad.status.code(), Some(2), "a bad name is bad usage");
     // Only the hash is on disk (database and WAL).
     let secret = &key.as_bytes()[3..];
     for file in [db.clone(), db.with_extension("db-wal")] {
@@ -105,25 +105,52 @@ fn consumers_create_prints_the_key_once_and_stores_only_its_hash() {
 }
 
 #[test]
-fn verify_reports_a_missing_database() {
+fn read_commands_report_a_missing_database() {
     let dir = TempDir::new("verify-missing");
-    let out = idem(&["verify", "--db", dir.db().to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains("no database"),
-        "{}",
-        text(&out.stderr)
-    );
+    let db = dir.db();
+    for command in [&["verify"][..], &["consumers", "list"]] {
+        let mut args = command.to_vec();
+        args.extend(["--db", db.to_str().unwrap()]);
+        let out = idem(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(
+            text(&out.stderr).contains("no database"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+    assert!(!dir.db().exists(), "a mistyped --db creates nothing");
 }
 
 #[test]
 fn serve_refuses_what_it_cannot_run_on() {
-    let out = idem(&["serve", "--db", ":memory:", "--addr", "127.0.0.1:0"]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains(":memory:"));
-
     let dir = TempDir::new("refuse");
     let db = dir.db();
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["serve", "--db", ":memory:", "--addr", "127.0.0.1:0"])
+        .current_dir(&dir.0)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains(":memory:"));
+    assert_eq!(
+        std::fs::read_dir(&dir.0).unwrap().count(),
+        0,
+        "nothing created"
+    );
+    let fault = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args([
+            "serve",
+            "--db",
+            db.to_str().unwrap(),
+            "--addr",
+            "127.0.0.1:0",
+        ])
+        .env("IDEM_FAULT", "nowhere")
+        .output()
+        .unwrap();
+    assert_eq!(fault.status.code(), Some(2));
+
     let first = ChildServer::start(&db, &[], &[]);
     let second = idem(&[
         "serve",

@@ -193,6 +193,12 @@ fn async_mode_answers_202_and_the_operation_completes() {
     );
     assert!(after.replayed());
     assert_eq!(after.json(), *charge);
+    let op_raw = String::from_utf8(client.get(&location).body).unwrap();
+    let stored = String::from_utf8(after.body.clone()).unwrap();
+    assert!(
+        op_raw.contains(&stored),
+        "the operation embeds the stored bytes"
+    );
     assert_eq!(client.all_charges().len(), 1);
 }
 

@@ -1,0 +1,784 @@
+//! Contention benches: `cargo bench --bench contention [-- SCENARIO ...]`.
+//!
+//! Each scenario starts real `idem serve` child processes (the release
+//! binary) on fresh databases, drives them with a keep-alive HTTP/1.1 load
+//! generator built into this file (one thread per connection), prints a table
+//! and compares against a baseline measured in the same run. Every scenario
+//! counts the connections that actually got answers: a load tool reports no
+//! error for a connection that is never served.
+//!
+//! Scenarios: `unique` (1/16/64 connections, group commit vs
+//! `--commit-batch-max 1`, and peak RSS), `hot_key`, `hot_account`,
+//! `retry_storm`, `floor` (the same charges through the library, no HTTP).
+//! Results go to `target/bench/contention.json`.
+//!
+//! `IDEM_BENCH_SECONDS` sets each measured run's length (default 5);
+//! `IDEM_BENCH_SERVER_ARGS` adds flags to every server started.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+// ---------------------------------------------------------------------------
+// Server child processes
+
+struct ServerProc {
+    child: Child,
+    addr: SocketAddr,
+    key: String,
+    _dir: TempDir,
+}
+
+impl ServerProc {
+    fn start(args: &[&str]) -> ServerProc {
+        let dir = TempDir::new();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .arg("serve")
+            .arg("--db")
+            .arg(dir.0.join("idem.db"))
+            .args(["--addr", "127.0.0.1:0"])
+            .args(extra_server_args())
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn idem serve");
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut key = None;
+        let addr = loop {
+            let line = lines.next().expect("idem serve exited").unwrap();
+            if let Some(k) = line.split_whitespace().find(|w| w.starts_with("sk_")) {
+                key = Some(k.to_string());
+            }
+            if let Some(url) = line.strip_prefix("listening on http://") {
+                break url.trim().parse().unwrap();
+            }
+        };
+        // Keep draining stderr so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        ServerProc {
+            child,
+            addr,
+            key: key.expect("first start prints the default key"),
+            _dir: dir,
+        }
+    }
+
+    /// Peak resident set size so far (VmHWM), in KiB.
+    fn peak_rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for ServerProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `IDEM_BENCH_SERVER_ARGS`: extra flags for every server (before the
+/// scenario's own, which win), to explore settings from the command line.
+fn extra_server_args() -> Vec<String> {
+    std::env::var("IDEM_BENCH_SERVER_ARGS")
+        .map(|s| s.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        let p = std::env::temp_dir().join(format!("idem-bench-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// A keep-alive HTTP/1.1 connection
+
+struct Conn {
+    addr: SocketAddr,
+    key: String,
+    stream: Option<BufReader<TcpStream>>,
+}
+
+struct Answer {
+    status: u16,
+    replayed: bool,
+    body: Vec<u8>,
+}
+
+impl Conn {
+    fn new(addr: SocketAddr, key: &str) -> Conn {
+        Conn {
+            addr,
+            key: key.to_string(),
+            stream: None,
+        }
+    }
+
+    fn request(
+        &mut self,
+        method: &str,
+        path: &str,
+        idem_key: Option<&str>,
+        body: &str,
+    ) -> std::io::Result<Answer> {
+        if self.stream.is_none() {
+            let s = TcpStream::connect(self.addr)?;
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(Duration::from_secs(30)))?;
+            self.stream = Some(BufReader::new(s));
+        }
+        let result = self.exchange(method, path, idem_key, body);
+        if result.is_err() {
+            self.stream = None;
+        }
+        result
+    }
+
+    fn exchange(
+        &mut self,
+        method: &str,
+        path: &str,
+        idem_key: Option<&str>,
+        body: &str,
+    ) -> std::io::Result<Answer> {
+        let reader = self.stream.as_mut().unwrap();
+        let extra = idem_key.map_or(String::new(), |k| format!("Idempotency-Key: {k}\r\n"));
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {}\r\n{extra}Content-Length: {}\r\n\r\n",
+            self.key,
+            body.len()
+        );
+        let stream = reader.get_mut();
+        stream.write_all(head.as_bytes())?;
+        stream.write_all(body.as_bytes())?;
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        let status: u16 = line
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| std::io::Error::other(format!("bad status line {line:?}")))?;
+        let (mut len, mut replayed, mut close) = (0usize, false, false);
+        loop {
+            line.clear();
+            reader.read_line(&mut line)?;
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            let lower = l.to_ascii_lowercase();
+            if let Some(v) = lower.strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap_or(0);
+            } else if lower.starts_with("idempotent-replayed: true") {
+                replayed = true;
+            } else if lower.starts_with("connection: close") {
+                close = true;
+            }
+        }
+        let mut body = vec![0; len];
+        reader.read_exact(&mut body)?;
+        if close {
+            self.stream = None;
+        }
+        Ok(Answer {
+            status,
+            replayed,
+            body,
+        })
+    }
+}
+
+fn setup_accounts(addr: SocketAddr, key: &str, n: usize) {
+    let mut c = Conn::new(addr, key);
+    for i in 0..n {
+        for (id, neg) in [(format!("card{i}"), true), (format!("shop{i}"), false)] {
+            let body = json!({"id": id, "currency": "BRL", "allow_negative": neg}).to_string();
+            let a = c.request("POST", "/v1/accounts", None, &body).unwrap();
+            assert!(
+                a.status == 201 || a.status == 200,
+                "account {id}: {}",
+                a.status
+            );
+        }
+    }
+}
+
+fn charge_body(amount: i64, src: usize, dst: usize) -> String {
+    format!(
+        r#"{{"amount":{amount},"currency":"BRL","source":"card{src}","destination":"shop{dst}"}}"#
+    )
+}
+
+fn charge_count(addr: SocketAddr, key: &str) -> usize {
+    let mut c = Conn::new(addr, key);
+    let mut n = 0;
+    let mut after = String::new();
+    loop {
+        let path = if after.is_empty() {
+            "/v1/charges?limit=100".to_string()
+        } else {
+            format!("/v1/charges?limit=100&starting_after={after}")
+        };
+        let page: Value =
+            serde_json::from_slice(&c.request("GET", &path, None, "").unwrap().body).unwrap();
+        let data = page["data"].as_array().unwrap();
+        n += data.len();
+        match data.last() {
+            Some(last) if page["has_more"] == json!(true) => {
+                after = last["id"].as_str().unwrap().to_string()
+            }
+            _ => return n,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Measurement
+
+#[derive(Default)]
+struct Tally {
+    latencies_us: Vec<u64>,
+    by_status: BTreeMap<u16, u64>,
+    replays: u64,
+    errors: u64,
+    answered: bool,
+}
+
+struct Run {
+    seconds: f64,
+    tallies: Vec<Tally>,
+}
+
+impl Run {
+    fn latencies(&self) -> Vec<u64> {
+        let mut all: Vec<u64> = self
+            .tallies
+            .iter()
+            .flat_map(|t| t.latencies_us.iter().copied())
+            .collect();
+        all.sort_unstable();
+        all
+    }
+    fn ok(&self) -> u64 {
+        self.tallies
+            .iter()
+            .map(|t| {
+                t.by_status
+                    .iter()
+                    .filter(|(s, _)| **s < 300)
+                    .map(|(_, n)| n)
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+    fn total(&self) -> u64 {
+        self.tallies
+            .iter()
+            .map(|t| t.latencies_us.len() as u64)
+            .sum()
+    }
+    fn answered(&self) -> usize {
+        self.tallies.iter().filter(|t| t.answered).count()
+    }
+    fn errors(&self) -> u64 {
+        self.tallies.iter().map(|t| t.errors).sum()
+    }
+    fn status(&self, s: u16) -> u64 {
+        self.tallies
+            .iter()
+            .map(|t| t.by_status.get(&s).copied().unwrap_or(0))
+            .sum()
+    }
+    fn replays(&self) -> u64 {
+        self.tallies.iter().map(|t| t.replays).sum()
+    }
+    fn rate(&self) -> f64 {
+        self.ok() as f64 / self.seconds
+    }
+}
+
+fn pct(sorted: &[u64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i] as f64 / 1000.0
+}
+
+/// Runs `conns` connection threads for `duration`; each calls `next(conn
+/// index, request index)` for (idempotency key, body) and sends a charge.
+fn drive(
+    addr: SocketAddr,
+    key: &str,
+    conns: usize,
+    duration: Duration,
+    next: Arc<dyn Fn(usize, u64) -> (String, String) + Send + Sync>,
+) -> Run {
+    let barrier = Arc::new(Barrier::new(conns + 1));
+    let stop = Arc::new(AtomicBool::new(false));
+    let handles: Vec<_> = (0..conns)
+        .map(|i| {
+            let (barrier, stop, next, key) =
+                (barrier.clone(), stop.clone(), next.clone(), key.to_string());
+            std::thread::spawn(move || {
+                let mut conn = Conn::new(addr, &key);
+                let mut t = Tally::default();
+                barrier.wait();
+                let mut n = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let (k, body) = next(i, n);
+                    n += 1;
+                    let started = Instant::now();
+                    match conn.request("POST", "/v1/charges", Some(&k), &body) {
+                        Ok(a) => {
+                            t.latencies_us.push(started.elapsed().as_micros() as u64);
+                            *t.by_status.entry(a.status).or_default() += 1;
+                            t.replays += u64::from(a.replayed);
+                            t.answered = true;
+                        }
+                        Err(_) => t.errors += 1,
+                    }
+                }
+                t
+            })
+        })
+        .collect();
+    barrier.wait();
+    let started = Instant::now();
+    std::thread::sleep(duration);
+    stop.store(true, Ordering::Relaxed);
+    let tallies: Vec<Tally> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    Run {
+        seconds: started.elapsed().as_secs_f64(),
+        tallies,
+    }
+}
+
+fn unique_keys(
+    conns: usize,
+    hot_account: bool,
+) -> Arc<dyn Fn(usize, u64) -> (String, String) + Send + Sync> {
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    Arc::new(move |i, n| {
+        let dst = if hot_account { 0 } else { i };
+        let _ = conns;
+        (
+            format!("{run}-{i}-{n}"),
+            charge_body(1 + (n % 1000) as i64, i, dst),
+        )
+    })
+}
+
+fn row(name: &str, r: &Run, conns: usize) -> Value {
+    let lat = r.latencies();
+    json!({
+        "name": name,
+        "connections": conns,
+        "answered_connections": r.answered(),
+        "requests": r.total(),
+        "ok": r.ok(),
+        "errors": r.errors(),
+        "status_409": r.status(409),
+        "status_503": r.status(503),
+        "replays": r.replays(),
+        "per_second": r.rate(),
+        "p50_ms": pct(&lat, 0.50),
+        "p99_ms": pct(&lat, 0.99),
+        "p999_ms": pct(&lat, 0.999),
+    })
+}
+
+fn print_table(title: &str, rows: &[Value]) {
+    println!("\n## {title}\n");
+    println!(
+        "| run | conns answered | ok/s | p50 ms | p99 ms | p99.9 ms | 409 | 503 | replays | errors |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {}/{} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} |",
+            r["name"].as_str().unwrap(),
+            r["answered_connections"],
+            r["connections"],
+            r["per_second"].as_f64().unwrap(),
+            r["p50_ms"].as_f64().unwrap_or(f64::NAN),
+            r["p99_ms"].as_f64().unwrap_or(f64::NAN),
+            r["p999_ms"].as_f64().unwrap_or(f64::NAN),
+            r["status_409"],
+            r["status_503"],
+            r["replays"],
+            r["errors"],
+        );
+    }
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if b == 0.0 || !a.is_finite() || !b.is_finite() {
+        "n/a".into()
+    } else {
+        format!("{:.2}x", a / b)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Scenarios
+
+struct Bench {
+    duration: Duration,
+    results: BTreeMap<String, Value>,
+}
+
+impl Bench {
+    fn unique(&mut self) {
+        let mut rows = Vec::new();
+        let mut summary = Vec::new();
+        for conns in [1, 16, 64] {
+            let mut pair = Vec::new();
+            for (label, args) in [
+                ("group commit", &[][..]),
+                ("batch-max 1", &["--commit-batch-max", "1"][..]),
+            ] {
+                let server = ServerProc::start(args);
+                setup_accounts(server.addr, &server.key, conns);
+                let run = drive(
+                    server.addr,
+                    &server.key,
+                    conns,
+                    self.duration,
+                    unique_keys(conns, false),
+                );
+                let mut r = row(&format!("{label}, {conns} conns"), &run, conns);
+                r["peak_rss_kib"] = json!(server.peak_rss_kib());
+                assert_eq!(
+                    charge_count(server.addr, &server.key) as u64,
+                    run.ok(),
+                    "one charge per 201"
+                );
+                pair.push(r.clone());
+                rows.push(r);
+            }
+            summary.push(json!({
+                "connections": conns,
+                "throughput_ratio": pair[0]["per_second"].as_f64().unwrap() / pair[1]["per_second"].as_f64().unwrap(),
+                "p99_ratio": pair[1]["p99_ms"].as_f64().unwrap() / pair[0]["p99_ms"].as_f64().unwrap(),
+                "peak_rss_kib_group": pair[0]["peak_rss_kib"],
+            }));
+        }
+        print_table(
+            "unique keys: group commit vs --commit-batch-max 1 (same binary, same run)",
+            &rows,
+        );
+        println!("\n| conns | group/batch-1 throughput | batch-1/group p99 | peak RSS (group) |");
+        println!("|---|---|---|---|");
+        for s in &summary {
+            println!(
+                "| {} | {:.2}x | {:.2}x | {:.1} MiB |",
+                s["connections"],
+                s["throughput_ratio"].as_f64().unwrap(),
+                s["p99_ratio"].as_f64().unwrap(),
+                s["peak_rss_kib_group"].as_f64().unwrap() / 1024.0
+            );
+        }
+        self.results
+            .insert("unique".into(), json!({"runs": rows, "summary": summary}));
+    }
+
+    fn hot_key(&mut self) {
+        const CONNS: usize = 64;
+        let server = ServerProc::start(&["--acquirer-latency", "500ms"]);
+        setup_accounts(server.addr, &server.key, 1);
+        let barrier = Arc::new(Barrier::new(CONNS));
+        let key = uuid::Uuid::new_v4().to_string();
+        let handles: Vec<_> = (0..CONNS)
+            .map(|_| {
+                let (barrier, key, api) = (barrier.clone(), key.clone(), server.key.clone());
+                let addr = server.addr;
+                std::thread::spawn(move || {
+                    let mut conn = Conn::new(addr, &api);
+                    let body = charge_body(500, 0, 0);
+                    let mut losers = Vec::new();
+                    barrier.wait();
+                    loop {
+                        let started = Instant::now();
+                        let a = conn
+                            .request("POST", "/v1/charges", Some(&key), &body)
+                            .unwrap();
+                        let us = started.elapsed().as_micros() as u64;
+                        match a.status {
+                            409 => losers.push(us),
+                            201 => return (losers, a.replayed, a.body, us),
+                            s => panic!("hot key: unexpected {s}"),
+                        }
+                    }
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let owners = results.iter().filter(|r| !r.1).count();
+        let bodies_agree = results.iter().all(|r| r.2 == results[0].2);
+        let mut losers: Vec<u64> = results.iter().flat_map(|r| r.0.iter().copied()).collect();
+        losers.sort_unstable();
+        let charges = charge_count(server.addr, &server.key);
+        let owner_ms = results
+            .iter()
+            .find(|r| !r.1)
+            .map_or(f64::NAN, |r| r.3 as f64 / 1000.0);
+        println!("\n## hot key: {CONNS} connections, one key, acquirer 500 ms\n");
+        println!("| owner ms | 409 answers | loser p50 ms | loser p99 ms | loser max ms | charges | fresh 201s | replays agree |");
+        println!("|---|---|---|---|---|---|---|---|");
+        println!(
+            "| {owner_ms:.1} | {} | {:.2} | {:.2} | {:.2} | {charges} | {owners} | {bodies_agree} |",
+            losers.len(),
+            pct(&losers, 0.5),
+            pct(&losers, 0.99),
+            pct(&losers, 1.0)
+        );
+        assert_eq!(charges, 1, "exactly one effect");
+        assert_eq!(owners, 1);
+        assert!(bodies_agree);
+        self.results.insert(
+            "hot_key".into(),
+            json!({"connections": CONNS, "owner_ms": owner_ms, "losers": losers.len(),
+                   "loser_p50_ms": pct(&losers, 0.5), "loser_p99_ms": pct(&losers, 0.99), "charges": charges}),
+        );
+    }
+
+    fn hot_account(&mut self) {
+        const CONNS: usize = 64;
+        let mut rows = Vec::new();
+        for (label, hot) in [
+            ("spread accounts (baseline)", false),
+            ("one merchant account", true),
+        ] {
+            let server = ServerProc::start(&[]);
+            setup_accounts(server.addr, &server.key, CONNS);
+            let run = drive(
+                server.addr,
+                &server.key,
+                CONNS,
+                self.duration,
+                unique_keys(CONNS, hot),
+            );
+            rows.push(row(label, &run, CONNS));
+        }
+        print_table("hot account: every charge credits one merchant", &rows);
+        println!(
+            "\nhot/spread throughput: {}",
+            ratio(
+                rows[1]["per_second"].as_f64().unwrap(),
+                rows[0]["per_second"].as_f64().unwrap()
+            )
+        );
+        self.results.insert("hot_account".into(), json!(rows));
+    }
+
+    fn retry_storm(&mut self) {
+        const CONNS: usize = 64;
+        let mut rows = Vec::new();
+        let mut effects = (0, 0);
+        for (label, storm) in [
+            ("unique keys (baseline)", false),
+            ("30% repeat an earlier key", true),
+        ] {
+            let server = ServerProc::start(&[]);
+            setup_accounts(server.addr, &server.key, CONNS);
+            // Recently sent keys, shared by all connections: a repeat may hit
+            // a completed key or one still in flight on another connection.
+            let recent: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+            let counter = Arc::new(AtomicUsize::new(0));
+            let run_id = uuid::Uuid::new_v4().simple().to_string();
+            let next: Arc<dyn Fn(usize, u64) -> (String, String) + Send + Sync> =
+                Arc::new(move |i, n| {
+                    let c = counter.fetch_add(1, Ordering::Relaxed);
+                    let mut recent = recent.lock().unwrap();
+                    if storm && c % 10 < 3 && !recent.is_empty() {
+                        return recent[c % recent.len()].clone();
+                    }
+                    let fresh = (
+                        format!("{run_id}-{i}-{n}"),
+                        charge_body(1 + (n % 1000) as i64, i, i),
+                    );
+                    if recent.len() < 256 {
+                        recent.push(fresh.clone());
+                    } else {
+                        recent[c % 256] = fresh.clone();
+                    }
+                    fresh
+                });
+            let run = drive(server.addr, &server.key, CONNS, self.duration, next);
+            let fresh = run.ok() - run.replays();
+            let charges = charge_count(server.addr, &server.key) as u64;
+            assert_eq!(
+                charges, fresh,
+                "each fresh 201 is one charge, replays add none"
+            );
+            effects = (charges, run.replays());
+            let mut r = row(label, &run, CONNS);
+            r["charges"] = json!(charges);
+            rows.push(r);
+        }
+        print_table(
+            "retry storm: 30% of requests repeat an earlier key (completed or in flight)",
+            &rows,
+        );
+        println!(
+            "\nstorm/baseline throughput (all answers): {}; charges {} for {} replays",
+            ratio(
+                rows[1]["per_second"].as_f64().unwrap(),
+                rows[0]["per_second"].as_f64().unwrap()
+            ),
+            effects.0,
+            effects.1
+        );
+        self.results.insert("retry_storm".into(), json!(rows));
+    }
+
+    /// The ceiling: the same charges through the library, no HTTP, from 64
+    /// threads through the same writer (group commit) — vs HTTP in this run.
+    fn floor(&mut self) {
+        const THREADS: usize = 64;
+        let server = idem::Server::start_temporary(|_| {}).unwrap();
+        let key = server.initial_key().unwrap().to_string();
+        setup_accounts(server.addr(), &key, THREADS);
+        let app = server.app().clone();
+        let consumer = app.authenticate(key.as_bytes()).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let barrier = Arc::new(Barrier::new(THREADS + 1));
+        let run_id = uuid::Uuid::new_v4().simple().to_string();
+        let handles: Vec<_> = (0..THREADS)
+            .map(|i| {
+                let (app, stop, barrier, run_id) =
+                    (app.clone(), stop.clone(), barrier.clone(), run_id.clone());
+                std::thread::spawn(move || {
+                    let mut t = Tally::default();
+                    barrier.wait();
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let body: Value =
+                            serde_json::from_str(&charge_body(1 + (n % 1000) as i64, i, i))
+                                .unwrap();
+                        let req = idem::model::ChargeRequest::from_json(&body).unwrap();
+                        let k = idem::idempotency::IdempotencyKey::parse(
+                            format!("{run_id}-{i}-{n}").as_bytes(),
+                        )
+                        .unwrap();
+                        n += 1;
+                        let started = Instant::now();
+                        let reply = app.create_charge(
+                            consumer,
+                            k,
+                            idem::idempotency::Mode::Sync,
+                            &body,
+                            req,
+                        );
+                        t.latencies_us.push(started.elapsed().as_micros() as u64);
+                        *t.by_status.entry(reply.status).or_default() += 1;
+                        t.answered = true;
+                    }
+                    t
+                })
+            })
+            .collect();
+        barrier.wait();
+        let started = Instant::now();
+        std::thread::sleep(self.duration);
+        stop.store(true, Ordering::Relaxed);
+        let floor = Run {
+            tallies: handles.into_iter().map(|h| h.join().unwrap()).collect(),
+            seconds: started.elapsed().as_secs_f64(),
+        };
+        drop(server);
+
+        let http_server = ServerProc::start(&[]);
+        setup_accounts(http_server.addr, &http_server.key, THREADS);
+        let http = drive(
+            http_server.addr,
+            &http_server.key,
+            THREADS,
+            self.duration,
+            unique_keys(THREADS, false),
+        );
+        let rows = vec![
+            row("library, no HTTP (floor)", &floor, THREADS),
+            row("HTTP, 64 keep-alive connections", &http, THREADS),
+        ];
+        print_table("floor: the same charges without HTTP vs over HTTP", &rows);
+        println!(
+            "\nHTTP/floor throughput: {}",
+            ratio(http.rate(), floor.rate())
+        );
+        self.results.insert(
+            "floor".into(),
+            json!({"runs": rows, "http_over_floor": http.rate() / floor.rate()}),
+        );
+    }
+}
+
+fn main() {
+    let selected: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let want = |name: &str| selected.is_empty() || selected.iter().any(|s| s == name);
+    let seconds = std::env::var("IDEM_BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5.0);
+    let mut bench = Bench {
+        duration: Duration::from_secs_f64(seconds),
+        results: BTreeMap::new(),
+    };
+    println!(
+        "# idem contention bench ({seconds} s per run, {} CPUs)",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    if want("unique") {
+        bench.unique();
+    }
+    if want("hot_key") {
+        bench.hot_key();
+    }
+    if want("hot_account") {
+        bench.hot_account();
+    }
+    if want("retry_storm") {
+        bench.retry_storm();
+    }
+    if want("floor") {
+        bench.floor();
+    }
+    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    std::fs::create_dir_all(&out).unwrap();
+    let file = out.join("contention.json");
+    std::fs::write(
+        &file,
+        serde_json::to_string_pretty(&json!(bench.results)).unwrap(),
+    )
+    .unwrap();
+    println!("\nresults: {}", file.display());
+}
