@@ -7,14 +7,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{charge_body, Client};
-
-fn server(configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Client) {
-    let server = idem::Server::start_temporary(configure).expect("start server");
-    let client = Client::new(server.addr(), server.initial_key().expect("default key"));
-    client.card_and_shop();
-    (server, client)
-}
+use support::{charge_body, server, Client};
 
 /// Case 1: same key, same body, sequential — identical status and body, one effect.
 #[test]

@@ -9,10 +9,7 @@ use serde_json::{json, Value};
 use support::{charge_body, Client, Resp};
 
 fn server() -> (idem::Server, Client) {
-    let server = idem::Server::start_temporary(|_| {}).expect("start server");
-    let client = Client::new(server.addr(), server.initial_key().expect("default key"));
-    client.card_and_shop();
-    (server, client)
+    support::server(|_| {})
 }
 
 /// Everything a consumer can observe of its ledger.

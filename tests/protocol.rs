@@ -9,14 +9,7 @@ use std::time::Duration;
 
 use idem::acquirer::{Acquirer, Authorization, Simulator, Unavailable};
 use serde_json::json;
-use support::{charge_body, Client};
-
-fn server(configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Client) {
-    let server = idem::Server::start_temporary(configure).expect("start server");
-    let client = Client::new(server.addr(), server.initial_key().expect("default key"));
-    client.card_and_shop();
-    (server, client)
-}
+use support::{charge_body, server, Client};
 
 #[test]
 fn same_key_from_two_consumers_names_two_requests() {

@@ -218,6 +218,15 @@ impl Client {
     }
 }
 
+/// An in-process server on a temporary database, with a client for its
+/// `default` consumer and the accounts `card` and `shop`.
+pub fn server(configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Client) {
+    let server = idem::Server::start_temporary(configure).expect("start server");
+    let client = Client::new(server.addr(), server.initial_key().expect("default key"));
+    client.card_and_shop();
+    (server, client)
+}
+
 pub fn charge_body(amount: i64) -> Value {
     json!({"amount": amount, "currency": "BRL", "source": "card", "destination": "shop"})
 }
