@@ -7,7 +7,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{charge_body, server, Client};
+use support::{charge_body, server};
 
 /// Case 1: same key, same body, sequential — identical status and body, one effect.
 #[test]
