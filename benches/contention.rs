@@ -13,7 +13,8 @@
 //! Results go to `target/bench/contention.json`.
 //!
 //! `IDEM_BENCH_SECONDS` sets each measured run's length (default 5);
-//! `IDEM_BENCH_SERVER_ARGS` adds flags to every server started.
+//! `IDEM_BENCH_SERVER_ARGS` adds flags to every server started;
+//! `IDEM_BENCH_UNIQUE_CONNS` picks the connection counts of `unique`.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -89,6 +90,16 @@ impl Drop for ServerProc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// `IDEM_BENCH_UNIQUE_CONNS`: the connection counts of `unique` (default
+/// `1,16,64`).
+fn unique_conns() -> Vec<usize> {
+    std::env::var("IDEM_BENCH_UNIQUE_CONNS")
+        .unwrap_or_else(|_| "1,16,64".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
 }
 
 /// `IDEM_BENCH_SERVER_ARGS`: extra flags for every server (before the
@@ -457,7 +468,7 @@ impl Bench {
     fn unique(&mut self) {
         let mut rows = Vec::new();
         let mut summary = Vec::new();
-        for conns in [1, 16, 64] {
+        for conns in unique_conns() {
             let mut pair = Vec::new();
             for (label, args) in [
                 ("group commit", &[][..]),

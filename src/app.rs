@@ -255,7 +255,25 @@ impl App {
         };
         let inline = mode == Mode::Sync && !matches!(op, Operation::Charge(_));
         let t = self.timeouts();
-        let reserved = self.writer.call(move |tx| {
+        // Duplicates are answered from a reader, never queued behind writes.
+        let seen = self
+            .readers
+            .read(|c| idempotency::load(c, &attempt.scope, &attempt.key));
+        let settled = seen
+            .ok()
+            .and_then(|row| idempotency::settle(row.as_ref(), &attempt, now_ms(), t));
+        let reserved = match settled {
+            Some(answer) => Ok(Reserved::Pending(answer)),
+            None => self.reserve(attempt, op, inline),
+        };
+        self.answer_reservation(reserved, mode)
+    }
+
+    /// The write half of step 4: reserve (or take over) in the writer, and
+    /// for an inline operation apply it in the same transaction.
+    fn reserve(&self, attempt: Attempt, op: Operation, inline: bool) -> Result<Reserved> {
+        let t = self.timeouts();
+        self.writer.call(move |tx| {
             let now = now_ms();
             let r = idempotency::reserve(tx, &attempt, now, t)?;
             match r {
@@ -268,7 +286,10 @@ impl App {
                 }
                 other => Ok(Reserved::Pending(other)),
             }
-        });
+        })
+    }
+
+    fn answer_reservation(&self, reserved: Result<Reserved>, mode: Mode) -> Reply {
         match reserved {
             Err(e) => Problem::from(e).reply(),
             Ok(Reserved::Done { stored, took_over }) => {

@@ -397,14 +397,45 @@ pub struct Attempt {
     pub mode: Mode,
 }
 
+/// The answer the decision table gives without any write (replay, 422,
+/// 409/202), or `None` when the key must be reserved or taken over.
+///
+/// Safe on a reader's snapshot: a completed row never changes before it
+/// expires, a fingerprint never changes, and an owner seen alive was alive a
+/// moment ago — the client's retry sees what happened since. A snapshot that
+/// shows no row, or an orphan, settles nothing: only the writer may act.
+pub fn settle(row: Option<&KeyRow>, a: &Attempt, now_ms: i64, t: Timeouts) -> Option<Reservation> {
+    let row = row?;
+    match decide(Some(row.view(&a.fingerprint)), a.mode, now_ms, t) {
+        Decision::Replay => Some(Reservation::Replay(
+            row.response
+                .clone()
+                .expect("completed rows have a response"),
+        )),
+        Decision::Reused => Some(Reservation::Reused),
+        d @ (Decision::InUse | Decision::Accepted) => Some(Reservation::Busy {
+            op_id: row.op_id.clone(),
+            decision: d,
+        }),
+        Decision::Execute | Decision::TakeOver => None,
+    }
+}
+
 /// Reserves the attempt's key, or tells why not. Runs the decision table on
 /// the row as it is inside the caller's write transaction.
 pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Result<Reservation> {
-    let (scope, key, fp, mode) = (&a.scope, &a.key, &a.fingerprint, a.mode);
+    let (scope, key, fp) = (&a.scope, &a.key, &a.fingerprint);
     let existing = load(conn, scope, key)?;
-    let decision = decide(existing.as_ref().map(|r| r.view(fp)), mode, now_ms, t);
-    match (decision, existing) {
-        (Decision::Execute, existing) => {
+    if let Some(answer) = settle(existing.as_ref(), a, now_ms, t) {
+        return Ok(answer);
+    }
+    match existing {
+        // None, or a completed row past retention, which makes way.
+        existing
+            if existing
+                .as_ref()
+                .is_none_or(|r| r.state == KeyState::Completed) =>
+        {
             if let Some(old) = existing {
                 // A completed key past retention: the row makes way.
                 conn.prepare_cached("DELETE FROM idempotency_keys WHERE id = ?1")?
@@ -426,25 +457,32 @@ pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Resu
                 now_ms,
                 a.request_json,
             ])?;
-            let row = load_by_id(conn, conn.last_insert_rowid())?.expect("row just inserted");
+            let row = KeyRow {
+                id: conn.last_insert_rowid(),
+                consumer_id: scope.consumer_id,
+                key: key.as_str().to_string(),
+                op_id,
+                fingerprint: fp.to_vec(),
+                state: KeyState::InProgress,
+                generation: 1,
+                locked_at_ms: now_ms,
+                recovery_point: RecoveryPoint::Reserved,
+                request: a.request_json.clone(),
+                authorization: None,
+                response: None,
+                completed_at_ms: None,
+            };
             Ok(Reservation::Owned {
                 row,
                 took_over: false,
             })
         }
-        (Decision::TakeOver, Some(row)) => Ok(Reservation::Owned {
+        // An in-progress orphan.
+        Some(row) => Ok(Reservation::Owned {
             row: take_over(conn, &row, now_ms)?,
             took_over: true,
         }),
-        (Decision::Replay, Some(row)) => Ok(Reservation::Replay(
-            row.response.expect("completed rows have a response"),
-        )),
-        (Decision::Reused, _) => Ok(Reservation::Reused),
-        (d @ (Decision::InUse | Decision::Accepted), Some(row)) => Ok(Reservation::Busy {
-            op_id: row.op_id,
-            decision: d,
-        }),
-        (d, None) => unreachable!("decision {d:?} without a row"),
+        None => unreachable!("handled above"),
     }
 }
 

@@ -322,3 +322,35 @@ fn metrics_expose_the_contract_names() {
         assert!(text.contains(name), "missing {name} in\n{text}");
     }
 }
+
+fn commits(server: &idem::Server) -> u64 {
+    let r = support::send(server.addr(), "GET", "/metrics", &[], b"").unwrap();
+    let text = String::from_utf8(r.body).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("idem_commit_duration_seconds_count "))
+        .and_then(|n| n.parse().ok())
+        .expect("commit counter")
+}
+
+/// Replays, 409s and 422s are answered from a reader: they never queue
+/// behind writes (the writer commits nothing for them).
+#[test]
+fn duplicates_are_answered_without_the_writer() {
+    let (server, client) = server(|c| {
+        c.acquirer_latency = Duration::from_millis(800);
+        c.reaper_interval = Duration::from_secs(3600);
+    });
+    let done = client.charge("done", &charge_body(5));
+    assert_eq!(done.status, 201);
+    let c = client.clone();
+    let in_flight = std::thread::spawn(move || c.charge("busy", &charge_body(6)));
+    std::thread::sleep(Duration::from_millis(200));
+    let before = commits(&server);
+    for _ in 0..5 {
+        assert!(client.charge("done", &charge_body(5)).replayed());
+        assert_eq!(client.charge("done", &charge_body(7)).status, 422);
+        assert_eq!(client.charge("busy", &charge_body(6)).status, 409);
+    }
+    assert_eq!(commits(&server), before, "no write for a duplicate");
+    assert_eq!(in_flight.join().unwrap().status, 201);
+}

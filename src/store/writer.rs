@@ -168,12 +168,17 @@ fn run(conn: Connection, rx: Receiver<Msg>, batch_max: usize, metrics: &Metrics)
     }
 }
 
+/// Runs one transaction-control statement through the statement cache, so
+/// the hot path parses none of them.
+fn control(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
+    conn.prepare_cached(sql)?.execute([]).map(|_| ())
+}
+
 /// One transaction for the whole batch, one savepoint per command.
 fn apply_batch(conn: &Connection, batch: &mut [Box<dyn Job>]) -> std::result::Result<(), String> {
-    conn.execute_batch("BEGIN IMMEDIATE")
-        .map_err(|e| format!("begin: {e}"))?;
+    control(conn, "BEGIN IMMEDIATE").map_err(|e| format!("begin: {e}"))?;
     for job in batch.iter_mut() {
-        if let Err(e) = conn.execute_batch("SAVEPOINT cmd") {
+        if let Err(e) = control(conn, "SAVEPOINT cmd") {
             rollback(conn);
             return Err(format!("savepoint: {e}"));
         }
@@ -185,16 +190,16 @@ fn apply_batch(conn: &Connection, batch: &mut [Box<dyn Job>]) -> std::result::Re
             return Err("the transaction was rolled back by the database".into());
         }
         let end = if ok {
-            "RELEASE cmd"
+            control(conn, "RELEASE cmd")
         } else {
-            "ROLLBACK TO cmd; RELEASE cmd"
+            control(conn, "ROLLBACK TO cmd").and_then(|()| control(conn, "RELEASE cmd"))
         };
-        if let Err(e) = conn.execute_batch(end) {
+        if let Err(e) = end {
             rollback(conn);
             return Err(format!("savepoint end: {e}"));
         }
     }
-    conn.execute_batch("COMMIT").map_err(|e| {
+    control(conn, "COMMIT").map_err(|e| {
         rollback(conn);
         format!("commit: {e}")
     })
