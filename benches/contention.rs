@@ -9,7 +9,9 @@
 //!
 //! Scenarios: `unique` (1/16/64 connections, group commit vs
 //! `--commit-batch-max 1`, and peak RSS), `hot_key`, `hot_account`,
-//! `retry_storm`, `floor` (the same charges through the library, no HTTP).
+//! `retry_storm`, `floor` (the same charges through the library, no HTTP),
+//! and, only when named, `batch_sweep` (how the default
+//! `--commit-batch-max` was chosen).
 //! Results go to `target/bench/contention.json`.
 //!
 //! `IDEM_BENCH_SECONDS` sets each measured run's length (default 5);
@@ -45,8 +47,7 @@ impl ServerProc {
             .arg("--db")
             .arg(dir.0.join("idem.db"))
             .args(["--addr", "127.0.0.1:0"])
-            .args(extra_server_args())
-            .args(args)
+            .args(server_args(args))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -102,12 +103,38 @@ fn unique_conns() -> Vec<usize> {
         .collect()
 }
 
-/// `IDEM_BENCH_SERVER_ARGS`: extra flags for every server (before the
-/// scenario's own, which win), to explore settings from the command line.
-fn extra_server_args() -> Vec<String> {
-    std::env::var("IDEM_BENCH_SERVER_ARGS")
+/// Workers of every bench server unless a scenario or
+/// `IDEM_BENCH_SERVER_ARGS` says otherwise. A worker blocks while its request
+/// waits for the writer, so the worker count caps how many commands can share
+/// a commit: the default (CPU × 4 = 8 here) caps a batch at 8. 64 lets all 64
+/// connections be in flight; `unique` also measures the default.
+const BENCH_WORKERS: &str = "64";
+
+/// The flags of a bench server: `--workers 64`, then `IDEM_BENCH_SERVER_ARGS`
+/// (to explore settings from the command line), then the scenario's own.
+/// A flag given by a later source replaces the earlier one.
+fn server_args(scenario: &[&str]) -> Vec<String> {
+    let extra: Vec<String> = std::env::var("IDEM_BENCH_SERVER_ARGS")
         .map(|s| s.split_whitespace().map(str::to_string).collect())
-        .unwrap_or_default()
+        .unwrap_or_default();
+    let sources = [
+        vec!["--workers".to_string(), BENCH_WORKERS.to_string()],
+        extra,
+        scenario.iter().map(|s| s.to_string()).collect(),
+    ];
+    let mut flags: Vec<(String, Option<String>)> = Vec::new();
+    for source in sources {
+        let mut it = source.into_iter().peekable();
+        while let Some(flag) = it.next() {
+            let value = it.next_if(|v| !v.starts_with("--"));
+            flags.retain(|(f, _)| *f != flag);
+            flags.push((flag, value));
+        }
+    }
+    flags
+        .into_iter()
+        .flat_map(|(f, v)| std::iter::once(f).chain(v))
+        .collect()
 }
 
 struct TempDir(PathBuf);
@@ -470,10 +497,18 @@ impl Bench {
         let mut summary = Vec::new();
         for conns in unique_conns() {
             let mut pair = Vec::new();
-            for (label, args) in [
-                ("group commit", &[][..]),
-                ("batch-max 1", &["--commit-batch-max", "1"][..]),
-            ] {
+            let default_workers = idem::config::default_workers().to_string();
+            let mut variants: Vec<(String, Vec<&str>)> = vec![
+                ("group commit".into(), vec![]),
+                ("batch-max 1".into(), vec!["--commit-batch-max", "1"]),
+            ];
+            if conns == 64 {
+                variants.push((
+                    format!("group commit, default {default_workers} workers"),
+                    vec!["--workers", &default_workers],
+                ));
+            }
+            for (label, args) in &variants {
                 let server = ServerProc::start(args);
                 setup_accounts(server.addr, &server.key, conns);
                 let run = drive(
@@ -521,6 +556,7 @@ impl Bench {
 
     fn hot_key(&mut self) {
         const CONNS: usize = 64;
+        const LOSER_PAUSE: Duration = Duration::from_millis(10);
         let server = ServerProc::start(&["--acquirer-latency", "500ms"]);
         setup_accounts(server.addr, &server.key, 1);
         let barrier = Arc::new(Barrier::new(CONNS));
@@ -541,7 +577,11 @@ impl Bench {
                             .unwrap();
                         let us = started.elapsed().as_micros() as u64;
                         match a.status {
-                            409 => losers.push(us),
+                            409 => {
+                                losers.push(us);
+                                // More impatient than `Retry-After: 1`.
+                                std::thread::sleep(LOSER_PAUSE);
+                            }
                             201 => return (losers, a.replayed, a.body, us),
                             s => panic!("hot key: unexpected {s}"),
                         }
@@ -559,7 +599,10 @@ impl Bench {
             .iter()
             .find(|r| !r.1)
             .map_or(f64::NAN, |r| r.3 as f64 / 1000.0);
-        println!("\n## hot key: {CONNS} connections, one key, acquirer 500 ms\n");
+        println!(
+            "\n## hot key: {CONNS} connections, one key, acquirer 500 ms, \
+             each loser retries after {LOSER_PAUSE:?}\n"
+        );
         println!("| owner ms | 409 answers | loser p50 ms | loser p99 ms | loser max ms | charges | fresh 201s | replays agree |");
         println!("|---|---|---|---|---|---|---|---|");
         println!(
@@ -606,6 +649,26 @@ impl Bench {
             )
         );
         self.results.insert("hot_account".into(), json!(rows));
+    }
+
+    /// How `--commit-batch-max` was chosen: 64 connections, unique keys.
+    fn batch_sweep(&mut self) {
+        const CONNS: usize = 64;
+        let mut rows = Vec::new();
+        for max in ["1", "4", "16", "64", "128", "512"] {
+            let server = ServerProc::start(&["--commit-batch-max", max]);
+            setup_accounts(server.addr, &server.key, CONNS);
+            let run = drive(
+                server.addr,
+                &server.key,
+                CONNS,
+                self.duration,
+                unique_keys(CONNS, false),
+            );
+            rows.push(row(&format!("--commit-batch-max {max}"), &run, CONNS));
+        }
+        print_table("commit batch sweep: 64 connections, unique keys", &rows);
+        self.results.insert("batch_sweep".into(), json!(rows));
     }
 
     fn retry_storm(&mut self) {
@@ -782,6 +845,10 @@ fn main() {
     }
     if want("floor") {
         bench.floor();
+    }
+    // Not in the default set: it only re-derives the default batch size.
+    if selected.iter().any(|s| s == "batch_sweep") {
+        bench.batch_sweep();
     }
     let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
     std::fs::create_dir_all(&out).unwrap();
