@@ -763,13 +763,9 @@ impl Bench {
                         .unwrap();
                         n += 1;
                         let started = Instant::now();
-                        let reply = app.create_charge(
-                            consumer,
-                            k,
-                            idem::idempotency::Mode::Sync,
-                            &body,
-                            req,
-                        );
+                        let reply = app
+                            .create_charge(consumer, k, idem::idempotency::Mode::Sync, &body, req)
+                            .wait();
                         t.latencies_us.push(started.elapsed().as_micros() as u64);
                         *t.by_status.entry(reply.status).or_default() += 1;
                         t.answered = true;

@@ -72,6 +72,67 @@ impl Reply {
     }
 }
 
+/// Hands a reply to whoever waits for it (the HTTP connection).
+pub type Deliver = Box<dyn FnOnce(Reply) + Send>;
+
+/// What a handler returns: a reply now, or work that will deliver its reply
+/// later from another thread, so the handler's thread is free at once (an
+/// owned charge may wait seconds for its acquirer; a duplicate of it, a GET
+/// or /healthz must not wait behind it).
+pub enum Answer {
+    Now(Reply),
+    /// Called once with where to deliver; must not block.
+    Later(Box<dyn FnOnce(Deliver) + Send>),
+}
+
+impl Answer {
+    /// Blocks until the reply is there: for callers without an event loop
+    /// (benches, embedders calling the application directly).
+    pub fn wait(self) -> Reply {
+        match self {
+            Answer::Now(reply) => reply,
+            Answer::Later(start) => {
+                let (tx, rx) = crossbeam_channel::bounded(1);
+                start(Box::new(move |reply| {
+                    let _ = tx.send(reply);
+                }));
+                rx.recv().unwrap_or_else(|_| Problem::Internal.reply())
+            }
+        }
+    }
+
+    /// Calls `f` with the reply when it is there (for metrics).
+    pub fn inspect(self, f: impl FnOnce(&Reply) + Send + 'static) -> Answer {
+        match self {
+            Answer::Now(reply) => {
+                f(&reply);
+                Answer::Now(reply)
+            }
+            Answer::Later(start) => Answer::Later(Box::new(move |deliver: Deliver| {
+                start(Box::new(move |reply| {
+                    f(&reply);
+                    deliver(reply);
+                }))
+            })),
+        }
+    }
+}
+
+impl From<Reply> for Answer {
+    fn from(reply: Reply) -> Answer {
+        Answer::Now(reply)
+    }
+}
+
+impl std::fmt::Debug for Answer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Answer::Now(reply) => f.debug_tuple("Now").field(reply).finish(),
+            Answer::Later(_) => f.write_str("Later(..)"),
+        }
+    }
+}
+
 /// Every error the API answers, with the contract's slugs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Problem {

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -19,8 +19,8 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::acquirer::Acquirer;
-use crate::api::{Problem, Reply};
-use crate::config::{Config, FaultPoint, ASYNC_QUEUE_LEN_MAX, ASYNC_THREADS};
+use crate::api::{Answer, Deliver, Problem, Reply};
+use crate::config::{Config, FaultPoint, OPERATION_QUEUE_LEN_MAX, OPERATION_THREADS};
 use crate::consumers;
 use crate::error::{Error, Result};
 use crate::idempotency::{
@@ -42,12 +42,20 @@ pub struct App {
     /// Key hash → consumer id. Consumers are never deleted, so a positive
     /// answer stays true; unknown keys are looked up every time.
     consumers: RwLock<HashMap<[u8; 32], i64>>,
-    background: Sender<Background>,
-    background_threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The operation pool: owned operations run here, off the HTTP workers.
+    operations: Sender<Work>,
+    operation_threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Itself, for the continuations it hands to the HTTP layer.
+    me: Weak<App>,
 }
 
-enum Background {
-    Run(Box<KeyRow>),
+enum Work {
+    /// Finish `row`; deliver the reply to a waiting client, if any (none in
+    /// async mode: the stored answer is the result).
+    Run {
+        row: Box<KeyRow>,
+        deliver: Option<Deliver>,
+    },
     Stop,
 }
 
@@ -86,42 +94,45 @@ impl App {
         acquirer: Arc<dyn Acquirer>,
         metrics: Arc<Metrics>,
     ) -> Arc<App> {
-        let (tx, rx) = crossbeam_channel::bounded(ASYNC_QUEUE_LEN_MAX);
-        let app = Arc::new(App {
+        let (tx, rx) = crossbeam_channel::bounded(OPERATION_QUEUE_LEN_MAX);
+        let app = Arc::new_cyclic(|me| App {
             config,
             metrics,
             writer,
             readers,
             acquirer,
             consumers: RwLock::new(HashMap::new()),
-            background: tx,
-            background_threads: Mutex::new(Vec::new()),
+            operations: tx,
+            operation_threads: Mutex::new(Vec::new()),
+            me: me.clone(),
         });
-        let threads = (0..ASYNC_THREADS)
+        let threads = (0..OPERATION_THREADS)
             .map(|i| {
                 let app = Arc::clone(&app);
-                let rx: Receiver<Background> = rx.clone();
+                let rx: Receiver<Work> = rx.clone();
                 std::thread::Builder::new()
-                    .name(format!("idem-async-{i}"))
+                    .name(format!("idem-op-{i}"))
                     .spawn(move || {
-                        while let Ok(Background::Run(row)) = rx.recv() {
-                            // The reply is stored by the operation, not sent.
-                            let _ = app.run_operation_guarded(*row);
+                        while let Ok(Work::Run { row, deliver }) = rx.recv() {
+                            let reply = app.run_operation_guarded(*row);
+                            if let Some(deliver) = deliver {
+                                deliver(reply);
+                            }
                         }
                     })
-                    .expect("spawn async thread")
+                    .expect("spawn operation thread")
             })
             .collect();
-        *app.background_threads.lock().expect("threads lock") = threads;
+        *app.operation_threads.lock().expect("threads lock") = threads;
         app
     }
 
-    /// Finishes queued async operations and stops the background threads,
-    /// then the writer (which checkpoints).
+    /// Finishes queued operations and stops the operation threads, then the
+    /// writer (which checkpoints).
     pub fn stop(&self) {
-        let threads = std::mem::take(&mut *self.background_threads.lock().expect("threads lock"));
+        let threads = std::mem::take(&mut *self.operation_threads.lock().expect("threads lock"));
         for _ in &threads {
-            let _ = self.background.send(Background::Stop);
+            let _ = self.operations.send(Work::Stop);
         }
         for t in threads {
             let _ = t.join();
@@ -178,7 +189,7 @@ impl App {
         mode: Mode,
         body: &Value,
         req: AccountRequest,
-    ) -> Reply {
+    ) -> Answer {
         match key {
             Some(key) => self.idempotent(
                 consumer,
@@ -190,12 +201,14 @@ impl App {
             ),
             // No key: the natural id (if any) is the only protection, and
             // the work is one transaction, so there is nothing to track.
-            None => match self.writer.call(move |tx| {
-                ledger::create_account(tx, consumer, &req, now_ms()).map(account_response)
-            }) {
-                Ok(stored) => Reply::stored(stored, false),
-                Err(e) => Problem::from(e).reply(),
-            },
+            None => Answer::Now(
+                match self.writer.call(move |tx| {
+                    ledger::create_account(tx, consumer, &req, now_ms()).map(account_response)
+                }) {
+                    Ok(stored) => Reply::stored(stored, false),
+                    Err(e) => Problem::from(e).reply(),
+                },
+            ),
         }
     }
 
@@ -206,7 +219,7 @@ impl App {
         mode: Mode,
         body: &Value,
         req: ChargeRequest,
-    ) -> Reply {
+    ) -> Answer {
         let fp = idempotency::fingerprint(body);
         self.idempotent(
             consumer,
@@ -225,7 +238,7 @@ impl App {
         mode: Mode,
         body: &Value,
         req: RefundRequest,
-    ) -> Reply {
+    ) -> Answer {
         let path = format!("/v1/charges/{}/refunds", req.charge);
         let fp = idempotency::fingerprint(body);
         self.idempotent(consumer, path, key, mode, fp, Operation::Refund(req))
@@ -241,7 +254,7 @@ impl App {
         mode: Mode,
         fp: Fingerprint,
         op: Operation,
-    ) -> Reply {
+    ) -> Answer {
         let attempt = Attempt {
             scope: Scope {
                 consumer_id: consumer,
@@ -289,8 +302,8 @@ impl App {
         })
     }
 
-    fn answer_reservation(&self, reserved: Result<Reserved>, mode: Mode) -> Reply {
-        match reserved {
+    fn answer_reservation(&self, reserved: Result<Reserved>, mode: Mode) -> Answer {
+        let reply = match reserved {
             Err(e) => Problem::from(e).reply(),
             Ok(Reserved::Done { stored, took_over }) => {
                 if took_over {
@@ -311,12 +324,27 @@ impl App {
                 if took_over {
                     self.metrics.orphans_taken_over.inc();
                 }
+                let owner = row.owner();
                 match mode {
-                    Mode::Sync => self.run_operation_guarded(row),
-                    Mode::Async => self.run_in_background(row),
+                    // The client waits for the answer, but no HTTP worker
+                    // does: the operation runs on the operation pool.
+                    Mode::Sync => {
+                        let me = self.me.upgrade().expect("the app outlives its requests");
+                        return Answer::Later(Box::new(move |deliver| {
+                            me.submit(row, Some(deliver));
+                        }));
+                    }
+                    Mode::Async => {
+                        if self.submit(row, None) {
+                            accepted(&owner.op_id)
+                        } else {
+                            self.give_up(&owner, Error::Unavailable("operation queue is full"))
+                        }
+                    }
                 }
             }
-        }
+        };
+        Answer::Now(reply)
     }
 
     /// Someone alive owns the key: 409 at once (sync) or 202 (async).
@@ -330,11 +358,28 @@ impl App {
         }
     }
 
-    fn run_in_background(&self, row: KeyRow) -> Reply {
+    /// Queues an owned operation on the operation pool. When the queue is
+    /// full the key is unlocked and `deliver` (if any) gets the 503; the
+    /// return value says whether it was queued.
+    fn submit(&self, row: KeyRow, deliver: Option<Deliver>) -> bool {
         let owner = row.owner();
-        match self.background.try_send(Background::Run(Box::new(row))) {
-            Ok(()) => accepted(&owner.op_id),
-            Err(_) => self.give_up(&owner, Error::Unavailable("async queue is full")),
+        let work = Work::Run {
+            row: Box::new(row),
+            deliver,
+        };
+        match self.operations.try_send(work) {
+            Ok(()) => true,
+            Err(e) => {
+                let reply = self.give_up(&owner, Error::Unavailable("operation queue is full"));
+                if let Work::Run {
+                    deliver: Some(deliver),
+                    ..
+                } = e.into_inner()
+                {
+                    deliver(reply);
+                }
+                false
+            }
         }
     }
 

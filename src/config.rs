@@ -36,9 +36,16 @@ pub const COMMIT_BATCH_MAX_DEFAULT: usize = 128;
 const _: () = assert!(COMMIT_BATCH_MAX_DEFAULT <= WRITE_QUEUE_LEN_MAX);
 /// Requests waiting for a worker thread, per worker.
 pub const WORKER_QUEUE_LEN_PER_WORKER: usize = 64;
-/// Operations accepted in async mode waiting for a background thread.
-pub const ASYNC_QUEUE_LEN_MAX: usize = 1024;
-pub const ASYNC_THREADS: usize = 4;
+/// Owned operations (a charge waiting for its acquirer and the writer, or an
+/// async operation) waiting for an operation thread. A full queue answers 503
+/// and unlocks the key.
+pub const OPERATION_QUEUE_LEN_MAX: usize = 1024;
+/// Threads that run owned operations, so that a slow acquirer never holds an
+/// HTTP worker: a duplicate, a GET or /healthz is answered while 64 charges
+/// wait. They mostly sleep (on the acquirer, on the writer), and 64 of them
+/// in flight let up to 64 commands share one commit.
+pub const OPERATION_THREADS: usize = 64;
+const _: () = assert!(OPERATION_THREADS <= OPERATION_QUEUE_LEN_MAX);
 /// Orphans one reaper pass takes over, and expired keys one delete removes:
 /// small batches keep the write lock short.
 pub const REAPER_ORPHANS_PER_PASS_MAX: usize = 64;

@@ -47,7 +47,7 @@ use std::time::Instant;
 
 use acquirer::{Acquirer, Simulator};
 use app::App;
-use config::ASYNC_THREADS;
+use config::OPERATION_THREADS;
 use http::server::{Handler, HttpServer};
 use metrics::Metrics;
 use reaper::Reaper;
@@ -104,19 +104,17 @@ impl Server {
             None
         };
         let metrics = Arc::new(Metrics::default());
-        let readers = Readers::open(&config.db, config.workers + ASYNC_THREADS + 2)?;
+        let readers = Readers::open(&config.db, config.workers + OPERATION_THREADS + 2)?;
         let writer = Writer::start(conn, config.commit_batch_max, Arc::clone(&metrics));
         let app = App::start(config.clone(), writer, readers, acquirer, metrics);
         let handler_app = Arc::clone(&app);
         let handler: Handler = Arc::new(move |req| {
             let started = Instant::now();
-            let (route, reply) = http::router::handle(&handler_app, req);
-            handler_app.metrics.record_request(
-                route,
-                reply.status,
-                started.elapsed().as_secs_f64(),
-            );
-            reply
+            let (route, answer) = http::router::handle(&handler_app, req);
+            let metrics = Arc::clone(&handler_app.metrics);
+            answer.inspect(move |reply| {
+                metrics.record_request(route, reply.status, started.elapsed().as_secs_f64());
+            })
         });
         let http = match HttpServer::start(config.addr, config.workers, handler) {
             Ok(http) => http,

@@ -354,3 +354,43 @@ fn duplicates_are_answered_without_the_writer() {
     assert_eq!(commits(&server), before, "no write for a duplicate");
     assert_eq!(in_flight.join().unwrap().status, 201);
 }
+
+/// More slow charges in flight than there are HTTP workers: a duplicate of
+/// one of them, a GET and /healthz are still answered at once, because an
+/// owned charge waits for its acquirer on the operation pool, not on a worker.
+#[test]
+fn slow_owners_do_not_hold_http_workers() {
+    const WORKERS: usize = 2;
+    const ACQUIRER: Duration = Duration::from_millis(1500);
+    let (server, client) = server(|c| {
+        c.workers = WORKERS;
+        c.acquirer_latency = ACQUIRER;
+    });
+    let barrier = Arc::new(std::sync::Barrier::new(WORKERS * 3 + 1));
+    let owners: Vec<_> = (0..WORKERS * 3)
+        .map(|i| {
+            let (c, barrier) = (client.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                c.charge(&format!("slow-{i}"), &charge_body(10))
+            })
+        })
+        .collect();
+    barrier.wait();
+    std::thread::sleep(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let dup = client.charge("slow-0", &charge_body(10));
+    assert_eq!(dup.status, 409);
+    assert_eq!(client.get("/v1/accounts/shop").status, 200);
+    let health = support::send(server.addr(), "GET", "/healthz", &[], b"").unwrap();
+    assert_eq!(health.status, 200);
+    let took = started.elapsed();
+    assert!(
+        took < ACQUIRER / 3,
+        "answered while the owners wait: {took:?}"
+    );
+    for owner in owners {
+        assert_eq!(owner.join().unwrap().status, 201);
+    }
+    assert_eq!(client.all_charges().len(), WORKERS * 3);
+}

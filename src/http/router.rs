@@ -6,7 +6,7 @@
 use serde_json::Value;
 
 use super::Request;
-use crate::api::{Problem, Reply};
+use crate::api::{Answer, Problem, Reply};
 use crate::app::App;
 use crate::config::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 use crate::idempotency::{IdempotencyKey, KeyError, Mode};
@@ -86,14 +86,14 @@ pub fn match_route(path: &str) -> Option<Route<'_>> {
 }
 
 /// Handles one request; returns the route template for metrics.
-pub fn handle(app: &App, req: &Request) -> (&'static str, Reply) {
+pub fn handle(app: &App, req: &Request) -> (&'static str, Answer) {
     let route = match_route(&req.path);
     let template = route.as_ref().map_or("unmatched", Route::template);
-    let reply = dispatch(app, req, route).unwrap_or_else(|p| p.reply());
-    (template, reply)
+    let answer = dispatch(app, req, route).unwrap_or_else(|p| Answer::Now(p.reply()));
+    (template, answer)
 }
 
-fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Reply, Problem> {
+fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer, Problem> {
     let under_v1 = req.path == "/v1" || req.path.starts_with("/v1/");
     let consumer = if under_v1 || route.as_ref().is_some_and(Route::needs_auth) {
         Some(authenticate(app, req)?)
@@ -112,14 +112,14 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Reply,
         return Err(Problem::BodyTooLarge);
     }
     let Some(consumer) = consumer else {
-        return Ok(match route {
+        return Ok(Answer::Now(match route {
             Route::Healthz => Reply::json(200, &serde_json::json!({"status": "ok"})),
             _ => Reply::raw(
                 200,
                 "text/plain; version=0.0.4",
                 app.metrics.render().into_bytes(),
             ),
-        });
+        }));
     };
     match (method, route) {
         ("POST", Route::Accounts) => {
@@ -140,11 +140,11 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Reply,
             let refund = RefundRequest::from_json(charge, &body).map_err(invalid)?;
             Ok(app.create_refund(consumer, key, mode(req), &body, refund))
         }
-        (_, Route::Account(id)) => Ok(app.get_account(consumer, id)),
-        (_, Route::AccountEntries(id)) => Ok(app.list_entries(consumer, id, &page(req)?)),
-        (_, Route::Charges) => Ok(app.list_charges(consumer, &page(req)?)),
-        (_, Route::Charge(id)) => Ok(app.get_charge(consumer, id)),
-        (_, Route::Operation(id)) => Ok(app.get_operation(consumer, id)),
+        (_, Route::Account(id)) => Ok(app.get_account(consumer, id).into()),
+        (_, Route::AccountEntries(id)) => Ok(app.list_entries(consumer, id, &page(req)?).into()),
+        (_, Route::Charges) => Ok(app.list_charges(consumer, &page(req)?).into()),
+        (_, Route::Charge(id)) => Ok(app.get_charge(consumer, id).into()),
+        (_, Route::Operation(id)) => Ok(app.get_operation(consumer, id).into()),
         (_, route) => unreachable!("method {method} allowed on {route:?}"),
     }
 }

@@ -25,15 +25,17 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::sync::{oneshot, watch, Semaphore};
 
 use super::Request;
-use crate::api::{Problem, Reply};
+use crate::api::{Answer, Problem, Reply};
 use crate::config::{
     BODY_READ_TIMEOUT, BODY_SIZE_MAX_BYTES, CONNECTIONS_MAX, HEADER_BYTES_MAX, HEADER_READ_TIMEOUT,
     SHUTDOWN_GRACE, WORKER_QUEUE_LEN_PER_WORKER,
 };
 use crate::error::{Error, Result};
 
-/// What the workers run for each request.
-pub type Handler = Arc<dyn Fn(&Request) -> Reply + Send + Sync>;
+/// What the workers run for each request. An `Answer::Later` is started on
+/// the worker (it must not block) and delivers its reply from elsewhere; the
+/// connection task awaits it without holding a worker.
+pub type Handler = Arc<dyn Fn(&Request) -> Answer + Send + Sync>;
 
 struct Job {
     request: Request,
@@ -120,15 +122,24 @@ impl Drop for HttpServer {
 
 fn work(queue: &Receiver<Job>, handler: &Handler) {
     while let Ok(job) = queue.recv() {
-        let reply = catch_unwind(AssertUnwindSafe(|| handler(&job.request))).unwrap_or_else(|_| {
-            log::error!(
-                "handler panicked on {} {}",
-                job.request.method,
-                job.request.path
-            );
-            Problem::Internal.reply()
-        });
-        let _ = job.reply.send(reply);
+        let answer =
+            catch_unwind(AssertUnwindSafe(|| handler(&job.request))).unwrap_or_else(|_| {
+                log::error!(
+                    "handler panicked on {} {}",
+                    job.request.method,
+                    job.request.path
+                );
+                Answer::Now(Problem::Internal.reply())
+            });
+        let tx = job.reply;
+        match answer {
+            Answer::Now(reply) => {
+                let _ = tx.send(reply);
+            }
+            Answer::Later(start) => start(Box::new(move |reply| {
+                let _ = tx.send(reply);
+            })),
+        }
     }
 }
 
