@@ -602,7 +602,7 @@ impl App {
         };
         self.metrics.orphans_taken_over.inc();
         let op_id = row.op_id.clone();
-        let reply = self.run_operation(row);
+        let reply = self.run_operation_guarded(row);
         log::info!("reaper completed orphan {op_id}: {}", reply.status);
         Ok(true)
     }

@@ -62,10 +62,10 @@ struct ServeArgs {
     #[arg(long, env = "IDEM_WORKERS", value_parser = clap::value_parser!(u16).range(1..=1024))]
     workers: Option<u16>,
     /// How long a completed idempotency key is kept and replayed (ms, s, m, h, d).
-    #[arg(long, env = "IDEM_KEY_RETENTION", default_value = "24h", value_parser = parse_duration)]
+    #[arg(long, env = "IDEM_KEY_RETENTION", default_value = "24h", value_parser = parse_positive_duration)]
     key_retention: Duration,
     /// An in-progress key whose owner is silent this long is an orphan and may be taken over.
-    #[arg(long, env = "IDEM_INFLIGHT_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, env = "IDEM_INFLIGHT_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
     inflight_timeout: Duration,
     /// How often the reaper completes orphans and deletes expired keys.
     #[arg(long, env = "IDEM_REAPER_INTERVAL", default_value = "10s", value_parser = parse_positive_duration)]
@@ -137,6 +137,9 @@ pub fn run() -> Result<i32> {
 }
 
 fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
+    // Warnings and errors (failed batches, panics, refused connections) go
+    // to stderr; RUST_LOG=info or =debug shows more.
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let mut config = Config::new(db);
     config.addr = args.addr;
     if let Some(workers) = args.workers {

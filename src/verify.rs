@@ -79,25 +79,24 @@ const CHECKS: &[(&str, &str)] = &[
          WHERE state = 'completed' AND (response_status IS NULL OR response_body IS NULL)",
     ),
     (
-        "4. a stored response names a charge or refund that exists",
-        "SELECT 'key ' || k.op_id || ' answered ' || json_extract(CAST(k.response_body AS TEXT), '$.id') \
-         || ', which does not exist' FROM idempotency_keys k \
-         WHERE k.state = 'completed' AND k.response_status IN (200, 201) AND ( \
-           (json_extract(CAST(k.response_body AS TEXT), '$.object') = 'charge' AND NOT EXISTS \
-             (SELECT 1 FROM charges c WHERE c.consumer_id = k.consumer_id \
-              AND c.public_id = json_extract(CAST(k.response_body AS TEXT), '$.id'))) \
-           OR (json_extract(CAST(k.response_body AS TEXT), '$.object') = 'refund' AND NOT EXISTS \
-             (SELECT 1 FROM refunds r WHERE r.consumer_id = k.consumer_id \
-              AND r.public_id = json_extract(CAST(k.response_body AS TEXT), '$.id'))))",
-    ),
-    (
-        "4. a completed key's new charge or refund was produced by that key",
-        "SELECT 'key ' || k.op_id || ' answered 201 for ' || \
-         json_extract(CAST(k.response_body AS TEXT), '$.id') || ' produced by another operation' \
-         FROM idempotency_keys k WHERE k.state = 'completed' AND k.response_status = 201 AND \
-         json_extract(CAST(k.response_body AS TEXT), '$.object') IN ('charge', 'refund') AND NOT EXISTS \
-         (SELECT 1 FROM charges c WHERE c.op_id = k.op_id UNION ALL \
-          SELECT 1 FROM refunds r WHERE r.op_id = k.op_id)",
+        "4. a stored answer names what its key produced",
+        // A 201 names the charge or refund this very reservation produced
+        // (same op_id); a 200 charge (a reference replay) names the charge
+        // that holds the reference of the key's request.
+        "WITH answers AS (SELECT k.op_id, k.consumer_id, k.response_status AS status, \
+           json_extract(CAST(k.response_body AS TEXT), '$.object') AS object, \
+           json_extract(CAST(k.response_body AS TEXT), '$.id') AS id, \
+           json_extract(k.request, '$.reference') AS reference \
+         FROM idempotency_keys k WHERE k.state = 'completed' AND k.response_status IN (200, 201)) \
+         SELECT 'key ' || a.op_id || ' answered ' || a.status || ' with ' || a.id || \
+           ', which it did not produce' FROM answers a WHERE \
+         (a.status = 201 AND a.object = 'charge' AND NOT EXISTS (SELECT 1 FROM charges c \
+           WHERE c.public_id = a.id AND c.consumer_id = a.consumer_id AND c.op_id = a.op_id)) \
+         OR (a.status = 201 AND a.object = 'refund' AND NOT EXISTS (SELECT 1 FROM refunds r \
+           WHERE r.public_id = a.id AND r.consumer_id = a.consumer_id AND r.op_id = a.op_id)) \
+         OR (a.status = 200 AND a.object = 'charge' AND NOT EXISTS (SELECT 1 FROM charges c \
+           WHERE c.public_id = a.id AND c.consumer_id = a.consumer_id \
+           AND c.reference = a.reference))",
     ),
     (
         "4. each charge and refund records the key that produced it",

@@ -56,6 +56,8 @@ fn every_command_has_help_and_bad_usage_exits_2() {
         &["serve", "--workers", "0"],
         &["serve", "--synchronous", "off"],
         &["serve", "--reaper-interval", "0s"],
+        &["serve", "--inflight-timeout", "0ms"],
+        &["serve", "--key-retention", "0s"],
         &["consumers", "create"],
     ] {
         let out = idem(args);

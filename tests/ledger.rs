@@ -386,6 +386,10 @@ fn verify_passes_on_a_healthy_ledger_and_fails_on_a_tampered_one() {
         Some("r"),
         &json!({"amount": 100}),
     );
+    let mut with_reference = charge_body(70);
+    with_reference["reference"] = json!("inv-1");
+    assert_eq!(client.charge("ref-1", &with_reference).status, 201);
+    assert_eq!(client.charge("by-ref", &with_reference).status, 200);
     let db = server.db_path().to_path_buf();
     support::assert_verified(&db);
 
@@ -408,6 +412,17 @@ fn verify_passes_on_a_healthy_ledger_and_fails_on_a_tampered_one() {
     )
     .unwrap();
     support::assert_verified(&db);
+
+    // A key whose stored answer names another key's charge.
+    conn.execute(
+        "UPDATE idempotency_keys SET response_body = (SELECT response_body FROM \
+         idempotency_keys WHERE key = 'by-ref') WHERE key = 'c'",
+        [],
+    )
+    .unwrap();
+    let (code, report) = support::verify_cli(&db);
+    assert_eq!(code, 1);
+    assert!(report.contains("which it did not produce"), "{report}");
 
     conn.execute("UPDATE charges SET amount_refunded = amount + 1", [])
         .unwrap_err();
