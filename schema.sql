@@ -99,6 +99,9 @@ CREATE TABLE idempotency_keys (
     recovery_point   TEXT    NOT NULL CHECK (recovery_point IN ('reserved', 'authorized')),
     -- The validated request as JSON, so the reaper can finish it alone.
     request          TEXT    NOT NULL,
+    -- A charge's `reference`, claimed while the key is in progress so that
+    -- two keys with one reference never both reach the acquirer.
+    reference        TEXT,
     authorization    TEXT,
     response_status  INTEGER,
     response_body    BLOB,
@@ -111,3 +114,5 @@ CREATE INDEX idempotency_in_progress ON idempotency_keys(locked_at)
     WHERE state = 'in_progress';
 CREATE INDEX idempotency_completed ON idempotency_keys(completed_at)
     WHERE state = 'completed';
+CREATE UNIQUE INDEX idempotency_reference_claims ON idempotency_keys(consumer_id, reference)
+    WHERE state = 'in_progress' AND reference IS NOT NULL;

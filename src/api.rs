@@ -142,6 +142,8 @@ pub enum Problem {
     IdempotencyKeyInvalid,
     IdempotencyKeyReused,
     IdempotencyKeyInUse,
+    /// Another key's charge with the same `reference` is in progress.
+    ReferenceInUse,
     Unauthorized,
     NotFound,
     MethodNotAllowed {
@@ -177,7 +179,7 @@ impl Problem {
             Problem::InsufficientFunds => 402,
             Problem::NotFound | Problem::AccountNotFound => 404,
             Problem::MethodNotAllowed { .. } => 405,
-            Problem::IdempotencyKeyInUse => 409,
+            Problem::IdempotencyKeyInUse | Problem::ReferenceInUse => 409,
             Problem::BodyTooLarge => 413,
             Problem::IdempotencyKeyReused
             | Problem::CurrencyMismatch
@@ -197,6 +199,7 @@ impl Problem {
             Problem::IdempotencyKeyInvalid => "idempotency-key-invalid",
             Problem::IdempotencyKeyReused => "idempotency-key-reused",
             Problem::IdempotencyKeyInUse => "idempotency-key-in-use",
+            Problem::ReferenceInUse => "reference-in-use",
             Problem::Unauthorized => "unauthorized",
             Problem::NotFound => "not-found",
             Problem::MethodNotAllowed { .. } => "method-not-allowed",
@@ -219,6 +222,7 @@ impl Problem {
             Problem::IdempotencyKeyInvalid => "Idempotency-Key header invalid",
             Problem::IdempotencyKeyReused => "Idempotency key reused with another request",
             Problem::IdempotencyKeyInUse => "Idempotency key in use",
+            Problem::ReferenceInUse => "Reference in use",
             Problem::Unauthorized => "Unauthorized",
             Problem::NotFound => "Not found",
             Problem::MethodNotAllowed { .. } => "Method not allowed",
@@ -255,6 +259,9 @@ impl Problem {
             Problem::IdempotencyKeyInUse => {
                 "a request with this key is still in progress; retry later".into()
             }
+            Problem::ReferenceInUse => {
+                "a charge with this reference is in progress under another key; retry later".into()
+            }
             Problem::Unauthorized => "send Authorization: Bearer <secret key>".into(),
             Problem::NotFound => "no such resource".into(),
             Problem::MethodNotAllowed { allow } => format!("allowed: {allow}"),
@@ -287,7 +294,7 @@ impl Problem {
     pub fn reply(&self) -> Reply {
         let reply = Reply::raw(self.status(), PROBLEM_JSON, self.body());
         match self {
-            Problem::IdempotencyKeyInUse => {
+            Problem::IdempotencyKeyInUse | Problem::ReferenceInUse => {
                 reply.header("retry-after", RETRY_AFTER_IN_USE_SECONDS.to_string())
             }
             Problem::TemporarilyUnavailable(_) => {

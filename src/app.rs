@@ -265,6 +265,10 @@ impl App {
             fingerprint: fp,
             request_json: serde_json::to_string(&op).expect("serialisable operation"),
             mode,
+            reference: match &op {
+                Operation::Charge(c) => c.reference.clone(),
+                _ => None,
+            },
         };
         let inline = mode == Mode::Sync && !matches!(op, Operation::Charge(_));
         let t = self.timeouts();
@@ -320,6 +324,10 @@ impl App {
                 Problem::IdempotencyKeyReused.reply()
             }
             Ok(Reserved::Pending(Reservation::Busy { op_id, .. })) => self.busy(&op_id, mode),
+            Ok(Reserved::Pending(Reservation::ReferenceBusy)) => {
+                self.metrics.conflicts_in_use.inc();
+                Problem::ReferenceInUse.reply()
+            }
             Ok(Reserved::Pending(Reservation::Owned { row, took_over })) => {
                 if took_over {
                     self.metrics.orphans_taken_over.inc();
@@ -418,6 +426,9 @@ impl App {
                         Err(reply) => return reply,
                     },
                 };
+                if let Some(hook) = &self.config.hooks.before_ledger_phase {
+                    hook(&owner.op_id);
+                }
                 self.ledger_phase(owner, move |tx, o, now| {
                     let origin = Origin {
                         op_id: &o.op_id,

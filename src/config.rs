@@ -111,6 +111,26 @@ impl FaultPoint {
     }
 }
 
+/// A hook: called with an operation id.
+pub type OperationHook = std::sync::Arc<dyn Fn(&str) + Send + Sync>;
+
+/// Code a test runs at chosen points of an operation (embedding API only;
+/// the CLI sets none), to stall an owner exactly where a race would hurt.
+#[derive(Clone, Default)]
+pub struct Hooks {
+    /// Runs on the operation's thread just before a charge's ledger phase,
+    /// with its operation id.
+    pub before_ledger_phase: Option<OperationHook>,
+}
+
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks")
+            .field("before_ledger_phase", &self.before_ledger_phase.is_some())
+            .finish()
+    }
+}
+
 /// Everything `idem serve` (or an embedded server) needs.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -124,6 +144,7 @@ pub struct Config {
     pub synchronous: Synchronous,
     pub commit_batch_max: usize,
     pub fault: Option<FaultPoint>,
+    pub hooks: Hooks,
 }
 
 impl Config {
@@ -139,6 +160,7 @@ impl Config {
             synchronous: Synchronous::Full,
             commit_batch_max: COMMIT_BATCH_MAX_DEFAULT,
             fault: None,
+            hooks: Hooks::default(),
         }
     }
 }

@@ -384,6 +384,9 @@ pub enum Reservation {
         op_id: String,
         decision: Decision,
     },
+    /// Another key's request with the same `reference` is in progress: 409
+    /// `reference-in-use`; this key stays free.
+    ReferenceBusy,
 }
 
 /// One request asking for its key.
@@ -395,6 +398,8 @@ pub struct Attempt {
     /// The validated request, kept in the row for whoever finishes it.
     pub request_json: String,
     pub mode: Mode,
+    /// A charge's natural key, claimed while the key is in progress.
+    pub reference: Option<String>,
 }
 
 /// The answer the decision table gives without any write (replay, 422,
@@ -436,6 +441,17 @@ pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Resu
                 .as_ref()
                 .is_none_or(|r| r.state == KeyState::Completed) =>
         {
+            if let Some(reference) = &a.reference {
+                let claimed = conn
+                    .prepare_cached(
+                        "SELECT 1 FROM idempotency_keys WHERE consumer_id = ?1 AND reference = ?2 \
+                         AND state = 'in_progress'",
+                    )?
+                    .exists(params![scope.consumer_id, reference])?;
+                if claimed {
+                    return Ok(Reservation::ReferenceBusy);
+                }
+            }
             if let Some(old) = existing {
                 // A completed key past retention: the row makes way.
                 conn.prepare_cached("DELETE FROM idempotency_keys WHERE id = ?1")?
@@ -444,8 +460,8 @@ pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Resu
             let op_id = ids::new_id(ids::OPERATION);
             conn.prepare_cached(
                 "INSERT INTO idempotency_keys (consumer_id, method, path, key, fingerprint, op_id, \
-                 state, generation, locked_at, recovery_point, request, created_at) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'in_progress', 1, ?7, 'reserved', ?8, ?7)",
+                 state, generation, locked_at, recovery_point, request, reference, created_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'in_progress', 1, ?7, 'reserved', ?8, ?9, ?7)",
             )?
             .execute(params![
                 scope.consumer_id,
@@ -456,6 +472,7 @@ pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Resu
                 op_id,
                 now_ms,
                 a.request_json,
+                a.reference,
             ])?;
             let row = KeyRow {
                 id: conn.last_insert_rowid(),

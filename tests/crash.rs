@@ -13,8 +13,9 @@ use idem::acquirer::{Acquirer, Authorization, Unavailable};
 use rusqlite::Connection;
 use support::{charge_body, ChildServer, Client, TempDir};
 
-const INFLIGHT: &str = "2s";
-const INFLIGHT_TIMEOUT: Duration = Duration::from_secs(2);
+// Long enough for a restart on a loaded 2-core CI machine to fit inside it.
+const INFLIGHT: &str = "3s";
+const INFLIGHT_TIMEOUT: Duration = Duration::from_secs(3);
 
 fn journal_lines(db: &Path) -> Vec<String> {
     let journal = idem::acquirer::Simulator::journal_path(db);
@@ -159,7 +160,11 @@ fn crash_after_commit_before_response() {
     support::assert_verified(&db);
 }
 
-/// A real SIGKILL while the acquirer call is in flight.
+/// A real SIGKILL (not an abort at a fault point) while the acquirer call
+/// is in flight: the reservation survives, retries get 409 until the
+/// in-flight timeout, then one takeover charges once. (The kill lands before
+/// the simulator journals anything; `crash_after_acquirer_before_recovery_point`
+/// is the test that an authorization is never repeated.)
 #[test]
 fn sigkill_during_acquirer_call() {
     let dir = TempDir::new("sigkill");
@@ -293,5 +298,77 @@ fn stuck_owner_is_fenced_off_after_takeover() {
     assert_eq!(acquirer.calls.load(std::sync::atomic::Ordering::SeqCst), 2);
     assert_eq!(client.all_charges().len(), 1);
     assert_eq!(client.balance("shop"), 500);
+    support::assert_verified(server.db_path());
+}
+
+struct Counting {
+    calls: std::sync::atomic::AtomicUsize,
+    inner: idem::acquirer::Simulator,
+}
+
+impl Acquirer for Counting {
+    fn authorize(
+        &self,
+        key: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<Authorization, Unavailable> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.authorize(key, amount, currency)
+    }
+}
+
+/// Fencing at the ledger commit: owner A has recorded its recovery point and
+/// is stuck just before its ledger phase past the in-flight timeout; B takes
+/// over, resumes from the recovery point (no second acquirer call) and
+/// commits. When A wakes, its commit is refused and it answers B's stored
+/// answer, byte for byte.
+#[test]
+fn owner_stuck_before_its_ledger_commit_is_fenced_off() {
+    let (release_tx, release_rx) = crossbeam_channel::bounded::<()>(1);
+    let stalls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let dir = TempDir::new("fence-ledger");
+    let mut config = idem::Config::new(dir.db());
+    config.addr = "127.0.0.1:0".parse().unwrap();
+    config.inflight_timeout = Duration::from_millis(300);
+    config.reaper_interval = Duration::from_secs(3600);
+    let hook_stalls = Arc::clone(&stalls);
+    config.hooks.before_ledger_phase = Some(Arc::new(move |_op: &str| {
+        if hook_stalls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            let _ = release_rx.recv_timeout(Duration::from_secs(20));
+        }
+    }));
+    let acquirer = Arc::new(Counting {
+        calls: Default::default(),
+        inner: idem::acquirer::Simulator::new(Duration::ZERO),
+    });
+    let server = idem::Server::start_with_acquirer(config, acquirer.clone()).unwrap();
+    let client = Client::new(server.addr(), server.initial_key().unwrap());
+    client.card_and_shop();
+
+    let c = client.clone();
+    let owner_a = std::thread::spawn(move || c.charge("stuck", &charge_body(800)));
+    std::thread::sleep(Duration::from_millis(700));
+    let b = client.charge("stuck", &charge_body(800));
+    assert_eq!(
+        b.status,
+        201,
+        "B took over: {}",
+        String::from_utf8_lossy(&b.body)
+    );
+    assert!(!b.replayed());
+    release_tx.send(()).unwrap();
+    let a = owner_a.join().unwrap();
+    assert_eq!(a.status, 201);
+    assert!(a.replayed(), "A lost its key and answers like a duplicate");
+    assert_eq!(a.body, b.body);
+    assert_eq!(
+        acquirer.calls.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "B resumed from A's recovery point: one acquirer call in all"
+    );
+    assert_eq!(stalls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert_eq!(client.all_charges().len(), 1);
+    assert_eq!(client.balance("shop"), 800);
     support::assert_verified(server.db_path());
 }

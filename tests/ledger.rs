@@ -435,3 +435,38 @@ fn verify_passes_on_a_healthy_ledger_and_fails_on_a_tampered_one() {
     assert_eq!(code, 1);
     assert!(report.contains("refund"), "{report}");
 }
+
+/// Two keys with one `reference`, the second sent while the first waits for
+/// the acquirer: the second is told the reference is in use (its key stays
+/// free), the acquirer authorises once, and a later retry is the reference
+/// replay.
+#[test]
+fn one_reference_never_reaches_the_acquirer_twice() {
+    let (server, client) = support::server(|c| {
+        c.acquirer_latency = std::time::Duration::from_millis(600);
+    });
+    let mut body = charge_body(300);
+    body["reference"] = json!("order-9");
+    let c = client.clone();
+    let b = body.clone();
+    let first = std::thread::spawn(move || c.charge("key-a", &b));
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let second = client.charge("key-b", &body);
+    assert_eq!(
+        (second.status, second.slug().as_str()),
+        (409, "reference-in-use")
+    );
+    assert_eq!(second.header("retry-after"), Some("1"));
+    let first = first.join().unwrap();
+    assert_eq!(first.status, 201);
+    let retry = client.charge("key-b", &body);
+    assert_eq!(
+        retry.status, 200,
+        "the key was left free, now a reference replay"
+    );
+    assert_eq!(retry.json()["id"], first.json()["id"]);
+    let journal = idem::acquirer::Simulator::journal_path(server.db_path());
+    let lines = std::fs::read_to_string(journal).unwrap();
+    assert_eq!(lines.lines().count(), 1, "one authorization: {lines}");
+    support::assert_verified(server.db_path());
+}

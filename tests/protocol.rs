@@ -337,7 +337,7 @@ fn commits(server: &idem::Server) -> u64 {
 #[test]
 fn duplicates_are_answered_without_the_writer() {
     let (server, client) = server(|c| {
-        c.acquirer_latency = Duration::from_millis(800);
+        c.acquirer_latency = Duration::from_millis(2000);
         c.reaper_interval = Duration::from_secs(3600);
     });
     let done = client.charge("done", &charge_body(5));
