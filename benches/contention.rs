@@ -103,25 +103,14 @@ fn unique_conns() -> Vec<usize> {
         .collect()
 }
 
-/// Workers of every bench server unless a scenario or
-/// `IDEM_BENCH_SERVER_ARGS` says otherwise. A worker blocks while its request
-/// waits for the writer, so the worker count caps how many commands can share
-/// a commit: the default (CPU × 4 = 8 here) caps a batch at 8. 64 lets all 64
-/// connections be in flight; `unique` also measures the default.
-const BENCH_WORKERS: &str = "64";
-
-/// The flags of a bench server: `--workers 64`, then `IDEM_BENCH_SERVER_ARGS`
+/// The flags of a bench server: the defaults, then `IDEM_BENCH_SERVER_ARGS`
 /// (to explore settings from the command line), then the scenario's own.
 /// A flag given by a later source replaces the earlier one.
 fn server_args(scenario: &[&str]) -> Vec<String> {
     let extra: Vec<String> = std::env::var("IDEM_BENCH_SERVER_ARGS")
         .map(|s| s.split_whitespace().map(str::to_string).collect())
         .unwrap_or_default();
-    let sources = [
-        vec!["--workers".to_string(), BENCH_WORKERS.to_string()],
-        extra,
-        scenario.iter().map(|s| s.to_string()).collect(),
-    ];
+    let sources = [extra, scenario.iter().map(|s| s.to_string()).collect()];
     let mut flags: Vec<(String, Option<String>)> = Vec::new();
     for source in sources {
         let mut it = source.into_iter().peekable();
@@ -497,17 +486,10 @@ impl Bench {
         let mut summary = Vec::new();
         for conns in unique_conns() {
             let mut pair = Vec::new();
-            let default_workers = idem::config::default_workers().to_string();
-            let mut variants: Vec<(String, Vec<&str>)> = vec![
-                ("group commit".into(), vec![]),
-                ("batch-max 1".into(), vec!["--commit-batch-max", "1"]),
+            let variants: [(&str, &[&str]); 2] = [
+                ("group commit", &[]),
+                ("batch-max 1", &["--commit-batch-max", "1"]),
             ];
-            if conns == 64 {
-                variants.push((
-                    format!("group commit, default {default_workers} workers"),
-                    vec!["--workers", &default_workers],
-                ));
-            }
             for (label, args) in &variants {
                 let server = ServerProc::start(args);
                 setup_accounts(server.addr, &server.key, conns);

@@ -49,12 +49,14 @@ pub struct App {
     me: Weak<App>,
 }
 
+/// A task for the operation pool.
+type Task = Box<dyn FnOnce(&App, Deliver) + Send>;
+
 enum Work {
-    /// Finish `row`; deliver the reply to a waiting client, if any (none in
-    /// async mode: the stored answer is the result).
-    Run {
-        row: Box<KeyRow>,
-        deliver: Option<Deliver>,
+    /// Run `task`, which hands its reply to `deliver`.
+    Task {
+        task: Task,
+        deliver: Deliver,
     },
     Stop,
 }
@@ -113,11 +115,11 @@ impl App {
                 std::thread::Builder::new()
                     .name(format!("idem-op-{i}"))
                     .spawn(move || {
-                        while let Ok(Work::Run { row, deliver }) = rx.recv() {
-                            let reply = app.run_operation_guarded(*row);
-                            if let Some(deliver) = deliver {
-                                deliver(reply);
-                            }
+                        while let Ok(Work::Task { task, deliver }) = rx.recv() {
+                            // A panic drops `deliver` (the client gets a 500)
+                            // and must not take the thread with it; keys are
+                            // unlocked by `run_operation_guarded`.
+                            let _ = catch_unwind(AssertUnwindSafe(|| task(&app, deliver)));
                         }
                     })
                     .expect("spawn operation thread")
@@ -201,14 +203,15 @@ impl App {
             ),
             // No key: the natural id (if any) is the only protection, and
             // the work is one transaction, so there is nothing to track.
-            None => Answer::Now(
-                match self.writer.call(move |tx| {
+            None => self.later(move |app, deliver| {
+                let created = app.writer.call(move |tx| {
                     ledger::create_account(tx, consumer, &req, now_ms()).map(account_response)
-                }) {
+                });
+                deliver(match created {
                     Ok(stored) => Reply::stored(stored, false),
                     Err(e) => Problem::from(e).reply(),
-                },
-            ),
+                })
+            }),
         }
     }
 
@@ -279,11 +282,55 @@ impl App {
         let settled = seen
             .ok()
             .and_then(|row| idempotency::settle(row.as_ref(), &attempt, now_ms(), t));
-        let reserved = match settled {
-            Some(answer) => Ok(Reserved::Pending(answer)),
-            None => self.reserve(attempt, op, inline),
-        };
-        self.answer_reservation(reserved, mode)
+        match settled {
+            Some(answer) => Answer::Now(self.answer(Ok(Reserved::Pending(answer)), mode)),
+            // Everything that writes runs on the operation pool: no HTTP
+            // worker waits for the writer or the acquirer.
+            None => {
+                self.later(move |app, deliver| app.reserve_and_run(attempt, op, inline, deliver))
+            }
+        }
+    }
+
+    /// Runs `task` on the operation pool; the HTTP layer awaits its reply.
+    /// A full queue answers 503 (nothing has been reserved yet).
+    fn later(&self, task: impl FnOnce(&App, Deliver) + Send + 'static) -> Answer {
+        let me = self.me.upgrade().expect("the app outlives its requests");
+        Answer::Later(Box::new(move |deliver| {
+            let work = Work::Task {
+                task: Box::new(task),
+                deliver,
+            };
+            if let Err(e) = me.operations.try_send(work) {
+                if let Work::Task { deliver, .. } = e.into_inner() {
+                    let why = "operation queue is full".to_string();
+                    deliver(Problem::TemporarilyUnavailable(why).reply());
+                }
+            }
+        }))
+    }
+
+    /// Steps 4–9 on an operation thread: reserve, then (when this request
+    /// owns the key) run the operation. Async mode delivers 202 as soon as
+    /// the key is reserved and goes on working.
+    fn reserve_and_run(&self, attempt: Attempt, op: Operation, inline: bool, deliver: Deliver) {
+        let mode = attempt.mode;
+        match self.reserve(attempt, op, inline) {
+            Ok(Reserved::Pending(Reservation::Owned { row, took_over })) => {
+                if took_over {
+                    self.metrics.orphans_taken_over.inc();
+                }
+                match mode {
+                    Mode::Sync => deliver(self.run_operation_guarded(row)),
+                    Mode::Async => {
+                        deliver(accepted(&row.op_id));
+                        // The reply is stored by the operation, not sent.
+                        let _ = self.run_operation_guarded(row);
+                    }
+                }
+            }
+            other => deliver(self.answer(other, mode)),
+        }
     }
 
     /// The write half of step 4: reserve (or take over) in the writer, and
@@ -306,8 +353,9 @@ impl App {
         })
     }
 
-    fn answer_reservation(&self, reserved: Result<Reserved>, mode: Mode) -> Answer {
-        let reply = match reserved {
+    /// The reply to a reservation that leaves nothing to run.
+    fn answer(&self, reserved: Result<Reserved>, mode: Mode) -> Reply {
+        match reserved {
             Err(e) => Problem::from(e).reply(),
             Ok(Reserved::Done { stored, took_over }) => {
                 if took_over {
@@ -328,31 +376,10 @@ impl App {
                 self.metrics.conflicts_in_use.inc();
                 Problem::ReferenceInUse.reply()
             }
-            Ok(Reserved::Pending(Reservation::Owned { row, took_over })) => {
-                if took_over {
-                    self.metrics.orphans_taken_over.inc();
-                }
-                let owner = row.owner();
-                match mode {
-                    // The client waits for the answer, but no HTTP worker
-                    // does: the operation runs on the operation pool.
-                    Mode::Sync => {
-                        let me = self.me.upgrade().expect("the app outlives its requests");
-                        return Answer::Later(Box::new(move |deliver| {
-                            me.submit(row, Some(deliver));
-                        }));
-                    }
-                    Mode::Async => {
-                        if self.submit(row, None) {
-                            accepted(&owner.op_id)
-                        } else {
-                            self.give_up(&owner, Error::Unavailable("operation queue is full"))
-                        }
-                    }
-                }
+            Ok(Reserved::Pending(Reservation::Owned { .. })) => {
+                unreachable!("an owned reservation is run, not answered")
             }
-        };
-        Answer::Now(reply)
+        }
     }
 
     /// Someone alive owns the key: 409 at once (sync) or 202 (async).
@@ -363,31 +390,6 @@ impl App {
                 Problem::IdempotencyKeyInUse.reply()
             }
             Mode::Async => accepted(op_id),
-        }
-    }
-
-    /// Queues an owned operation on the operation pool. When the queue is
-    /// full the key is unlocked and `deliver` (if any) gets the 503; the
-    /// return value says whether it was queued.
-    fn submit(&self, row: KeyRow, deliver: Option<Deliver>) -> bool {
-        let owner = row.owner();
-        let work = Work::Run {
-            row: Box::new(row),
-            deliver,
-        };
-        match self.operations.try_send(work) {
-            Ok(()) => true,
-            Err(e) => {
-                let reply = self.give_up(&owner, Error::Unavailable("operation queue is full"));
-                if let Work::Run {
-                    deliver: Some(deliver),
-                    ..
-                } = e.into_inner()
-                {
-                    deliver(reply);
-                }
-                false
-            }
         }
     }
 
