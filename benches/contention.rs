@@ -261,6 +261,21 @@ fn charge_body(amount: i64, src: usize, dst: usize) -> String {
     )
 }
 
+/// Mean write commands per commit so far, from the server's metrics.
+fn mean_batch(addr: SocketAddr, key: &str) -> f64 {
+    let metrics = Conn::new(addr, key)
+        .request("GET", "/metrics", None, "")
+        .unwrap();
+    let text = String::from_utf8(metrics.body).unwrap();
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    value("idem_commit_batch_size_sum ") / value("idem_commit_batch_size_count ")
+}
+
 fn charge_count(addr: SocketAddr, key: &str) -> usize {
     let mut c = Conn::new(addr, key);
     let mut n = 0;
@@ -502,6 +517,7 @@ impl Bench {
                 );
                 let mut r = row(&format!("{label}, {conns} conns"), &run, conns);
                 r["peak_rss_kib"] = json!(server.peak_rss_kib());
+                r["mean_batch"] = json!(mean_batch(server.addr, &server.key));
                 assert_eq!(
                     charge_count(server.addr, &server.key) as u64,
                     run.ok(),
@@ -515,21 +531,25 @@ impl Bench {
                 "throughput_ratio": pair[0]["per_second"].as_f64().unwrap() / pair[1]["per_second"].as_f64().unwrap(),
                 "p99_ratio": pair[1]["p99_ms"].as_f64().unwrap() / pair[0]["p99_ms"].as_f64().unwrap(),
                 "peak_rss_kib_group": pair[0]["peak_rss_kib"],
+                "mean_batch_group": pair[0]["mean_batch"],
             }));
         }
         print_table(
             "unique keys: group commit vs --commit-batch-max 1 (same binary, same run)",
             &rows,
         );
-        println!("\n| conns | group/batch-1 throughput | batch-1/group p99 | peak RSS (group) |");
-        println!("|---|---|---|---|");
+        println!(
+            "\n| conns | group/batch-1 throughput | batch-1/group p99 | peak RSS (group) | commands per commit (group) |"
+        );
+        println!("|---|---|---|---|---|");
         for s in &summary {
             println!(
-                "| {} | {:.2}x | {:.2}x | {:.1} MiB |",
+                "| {} | {:.2}x | {:.2}x | {:.1} MiB | {:.1} |",
                 s["connections"],
                 s["throughput_ratio"].as_f64().unwrap(),
                 s["p99_ratio"].as_f64().unwrap(),
-                s["peak_rss_kib_group"].as_f64().unwrap() / 1024.0
+                s["peak_rss_kib_group"].as_f64().unwrap() / 1024.0,
+                s["mean_batch_group"].as_f64().unwrap_or(f64::NAN)
             );
         }
         self.results
@@ -585,10 +605,11 @@ impl Bench {
             "\n## hot key: {CONNS} connections, one key, acquirer 500 ms, \
              each loser retries after {LOSER_PAUSE:?}\n"
         );
-        println!("| owner ms | 409 answers | loser p50 ms | loser p99 ms | loser max ms | charges | fresh 201s | replays agree |");
-        println!("|---|---|---|---|---|---|---|---|");
+        println!("| conns answered | owner ms | 409 answers | loser p50 ms | loser p99 ms | loser max ms | charges | fresh 201s | replays agree |");
+        println!("|---|---|---|---|---|---|---|---|---|");
         println!(
-            "| {owner_ms:.1} | {} | {:.2} | {:.2} | {:.2} | {charges} | {owners} | {bodies_agree} |",
+            "| {}/{CONNS} | {owner_ms:.1} | {} | {:.2} | {:.2} | {:.2} | {charges} | {owners} | {bodies_agree} |",
+            results.len(),
             losers.len(),
             pct(&losers, 0.5),
             pct(&losers, 0.99),
