@@ -15,6 +15,8 @@
 //! Results go to `target/bench/contention.json`.
 //!
 //! `IDEM_BENCH_SECONDS` sets each measured run's length (default 5);
+//! `IDEM_BENCH_ROUNDS` how many alternating rounds `unique` runs (default 3,
+//! the median is reported);
 //! `IDEM_BENCH_SERVER_ARGS` adds flags to every server started;
 //! `IDEM_BENCH_UNIQUE_CONNS` picks the connection counts of `unique`.
 
@@ -455,6 +457,27 @@ fn row(name: &str, r: &Run, conns: usize) -> Value {
     })
 }
 
+/// The round with the median throughput, annotated with the spread.
+fn median_by_rate(mut runs: Vec<Value>) -> Value {
+    runs.sort_by(|a, b| {
+        a["per_second"]
+            .as_f64()
+            .unwrap()
+            .total_cmp(&b["per_second"].as_f64().unwrap())
+    });
+    let rates: Vec<f64> = runs
+        .iter()
+        .map(|r| r["per_second"].as_f64().unwrap())
+        .collect();
+    let mut median = runs[runs.len() / 2].clone();
+    median["rounds_per_second"] = json!(rates);
+    if runs.len() > 1 {
+        let name = median["name"].as_str().unwrap().to_string();
+        median["name"] = json!(format!("{name} (median of {})", runs.len()));
+    }
+    median
+}
+
 fn print_table(title: &str, rows: &[Value]) {
     println!("\n## {title}\n");
     println!(
@@ -492,6 +515,8 @@ fn ratio(a: f64, b: f64) -> String {
 
 struct Bench {
     duration: Duration,
+    /// Rounds of `unique` (`IDEM_BENCH_ROUNDS`, default 3).
+    rounds: usize,
     results: BTreeMap<String, Value>,
 }
 
@@ -500,12 +525,14 @@ impl Bench {
         let mut rows = Vec::new();
         let mut summary = Vec::new();
         for conns in unique_conns() {
-            let mut pair = Vec::new();
             let variants: [(&str, &[&str]); 2] = [
                 ("group commit", &[]),
                 ("batch-max 1", &["--commit-batch-max", "1"]),
             ];
-            for (label, args) in &variants {
+            // Rounds alternate the variants, so slow spells of the shared
+            // disk hit both; each variant reports its median round.
+            let mut rounds: Vec<Vec<Value>> = vec![Vec::new(); variants.len()];
+            for (i, (label, args)) in (0..self.rounds).flat_map(|_| variants.iter().enumerate()) {
                 let server = ServerProc::start(args);
                 setup_accounts(server.addr, &server.key, conns);
                 let run = drive(
@@ -523,9 +550,10 @@ impl Bench {
                     run.ok(),
                     "one charge per 201"
                 );
-                pair.push(r.clone());
-                rows.push(r);
+                rounds[i].push(r);
             }
+            let pair: Vec<Value> = rounds.into_iter().map(median_by_rate).collect();
+            rows.extend(pair.iter().cloned());
             summary.push(json!({
                 "connections": conns,
                 "throughput_ratio": pair[0]["per_second"].as_f64().unwrap() / pair[1]["per_second"].as_f64().unwrap(),
@@ -822,7 +850,13 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(5.0);
+    let rounds = std::env::var("IDEM_BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|n| *n >= 1)
+        .unwrap_or(3);
     let mut bench = Bench {
+        rounds,
         duration: Duration::from_secs_f64(seconds),
         results: BTreeMap::new(),
     };
