@@ -165,8 +165,9 @@ impl Config {
     }
 }
 
-/// CPU count × 4, at least 4: workers mostly wait (on the writer, on the
-/// acquirer), so more threads than cores keep the cores busy.
+/// CPU count × 4, at least 4 (the contract's default): workers decode,
+/// authenticate and read; they wait on readers, never on the writer or the
+/// acquirer (those run on the operation pool).
 pub fn default_workers() -> usize {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     (cpus * 4).max(4)
