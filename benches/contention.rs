@@ -278,6 +278,15 @@ fn mean_batch(addr: SocketAddr, key: &str) -> f64 {
     value("idem_commit_batch_size_sum ") / value("idem_commit_batch_size_count ")
 }
 
+fn assert_one_charge_per_201(server: &ServerProc, run: &Run) {
+    let charges = charge_count(server.addr, &server.key) as u64;
+    assert_eq!(
+        charges,
+        run.ok(),
+        "one charge per 201, none lost or doubled"
+    );
+}
+
 fn charge_count(addr: SocketAddr, key: &str) -> usize {
     let mut c = Conn::new(addr, key);
     let mut n = 0;
@@ -376,13 +385,7 @@ fn pct(sorted: &[u64], p: f64) -> f64 {
 
 /// Runs `conns` connection threads for `duration`; each calls `next(conn
 /// index, request index)` for (idempotency key, body) and sends a charge.
-fn drive(
-    addr: SocketAddr,
-    key: &str,
-    conns: usize,
-    duration: Duration,
-    next: Arc<dyn Fn(usize, u64) -> (String, String) + Send + Sync>,
-) -> Run {
+fn drive(addr: SocketAddr, key: &str, conns: usize, duration: Duration, next: Next) -> Run {
     let barrier = Arc::new(Barrier::new(conns + 1));
     let stop = Arc::new(AtomicBool::new(false));
     let handles: Vec<_> = (0..conns)
@@ -520,7 +523,20 @@ struct Bench {
     results: BTreeMap<String, Value>,
 }
 
+/// What a connection thread sends next: (idempotency key, body) for the
+/// connection's index and its request counter.
+type Next = Arc<dyn Fn(usize, u64) -> (String, String) + Send + Sync>;
+
 impl Bench {
+    /// Starts a server with `args`, creates `conns` account pairs and drives
+    /// it for one run; the server stays up for checks afterwards.
+    fn measure(&self, args: &[&str], conns: usize, next: Next) -> (Run, ServerProc) {
+        let server = ServerProc::start(args);
+        setup_accounts(server.addr, &server.key, conns);
+        let run = drive(server.addr, &server.key, conns, self.duration, next);
+        (run, server)
+    }
+
     fn unique(&mut self) {
         let mut rows = Vec::new();
         let mut summary = Vec::new();
@@ -533,23 +549,11 @@ impl Bench {
             // disk hit both; each variant reports its median round.
             let mut rounds: Vec<Vec<Value>> = vec![Vec::new(); variants.len()];
             for (i, (label, args)) in (0..self.rounds).flat_map(|_| variants.iter().enumerate()) {
-                let server = ServerProc::start(args);
-                setup_accounts(server.addr, &server.key, conns);
-                let run = drive(
-                    server.addr,
-                    &server.key,
-                    conns,
-                    self.duration,
-                    unique_keys(conns, false),
-                );
+                let (run, server) = self.measure(args, conns, unique_keys(conns, false));
                 let mut r = row(&format!("{label}, {conns} conns"), &run, conns);
                 r["peak_rss_kib"] = json!(server.peak_rss_kib());
                 r["mean_batch"] = json!(mean_batch(server.addr, &server.key));
-                assert_eq!(
-                    charge_count(server.addr, &server.key) as u64,
-                    run.ok(),
-                    "one charge per 201"
-                );
+                assert_one_charge_per_201(&server, &run);
                 rounds[i].push(r);
             }
             let pair: Vec<Value> = rounds.into_iter().map(median_by_rate).collect();
@@ -660,15 +664,8 @@ impl Bench {
             ("spread accounts (baseline)", false),
             ("one merchant account", true),
         ] {
-            let server = ServerProc::start(&[]);
-            setup_accounts(server.addr, &server.key, CONNS);
-            let run = drive(
-                server.addr,
-                &server.key,
-                CONNS,
-                self.duration,
-                unique_keys(CONNS, hot),
-            );
+            let (run, server) = self.measure(&[], CONNS, unique_keys(CONNS, hot));
+            assert_one_charge_per_201(&server, &run);
             rows.push(row(label, &run, CONNS));
         }
         print_table("hot account: every charge credits one merchant", &rows);
@@ -687,15 +684,12 @@ impl Bench {
         const CONNS: usize = 64;
         let mut rows = Vec::new();
         for max in ["1", "4", "16", "64", "128", "512"] {
-            let server = ServerProc::start(&["--commit-batch-max", max]);
-            setup_accounts(server.addr, &server.key, CONNS);
-            let run = drive(
-                server.addr,
-                &server.key,
+            let (run, server) = self.measure(
+                &["--commit-batch-max", max],
                 CONNS,
-                self.duration,
                 unique_keys(CONNS, false),
             );
+            assert_one_charge_per_201(&server, &run);
             rows.push(row(&format!("--commit-batch-max {max}"), &run, CONNS));
         }
         print_table("commit batch sweep: 64 connections, unique keys", &rows);
@@ -710,32 +704,29 @@ impl Bench {
             ("unique keys (baseline)", false),
             ("30% repeat an earlier key", true),
         ] {
-            let server = ServerProc::start(&[]);
-            setup_accounts(server.addr, &server.key, CONNS);
             // Recently sent keys, shared by all connections: a repeat may hit
             // a completed key or one still in flight on another connection.
             let recent: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
             let counter = Arc::new(AtomicUsize::new(0));
             let run_id = uuid::Uuid::new_v4().simple().to_string();
-            let next: Arc<dyn Fn(usize, u64) -> (String, String) + Send + Sync> =
-                Arc::new(move |i, n| {
-                    let c = counter.fetch_add(1, Ordering::Relaxed);
-                    let mut recent = recent.lock().unwrap();
-                    if storm && c % 10 < 3 && !recent.is_empty() {
-                        return recent[c % recent.len()].clone();
-                    }
-                    let fresh = (
-                        format!("{run_id}-{i}-{n}"),
-                        charge_body(1 + (n % 1000) as i64, i, i),
-                    );
-                    if recent.len() < 256 {
-                        recent.push(fresh.clone());
-                    } else {
-                        recent[c % 256] = fresh.clone();
-                    }
-                    fresh
-                });
-            let run = drive(server.addr, &server.key, CONNS, self.duration, next);
+            let next: Next = Arc::new(move |i, n| {
+                let c = counter.fetch_add(1, Ordering::Relaxed);
+                let mut recent = recent.lock().unwrap();
+                if storm && c % 10 < 3 && !recent.is_empty() {
+                    return recent[c % recent.len()].clone();
+                }
+                let fresh = (
+                    format!("{run_id}-{i}-{n}"),
+                    charge_body(1 + (n % 1000) as i64, i, i),
+                );
+                if recent.len() < 256 {
+                    recent.push(fresh.clone());
+                } else {
+                    recent[c % 256] = fresh.clone();
+                }
+                fresh
+            });
+            let (run, server) = self.measure(&[], CONNS, next);
             let fresh = run.ok() - run.replays();
             let charges = charge_count(server.addr, &server.key) as u64;
             assert_eq!(
@@ -815,15 +806,8 @@ impl Bench {
         };
         drop(server);
 
-        let http_server = ServerProc::start(&[]);
-        setup_accounts(http_server.addr, &http_server.key, THREADS);
-        let http = drive(
-            http_server.addr,
-            &http_server.key,
-            THREADS,
-            self.duration,
-            unique_keys(THREADS, false),
-        );
+        let (http, http_server) = self.measure(&[], THREADS, unique_keys(THREADS, false));
+        assert_one_charge_per_201(&http_server, &http);
         let rows = vec![
             row("library, no HTTP (floor)", &floor, THREADS),
             row("HTTP, 64 keep-alive connections", &http, THREADS),

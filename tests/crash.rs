@@ -264,18 +264,14 @@ impl Acquirer for StuckFirstCall {
 fn stuck_owner_is_fenced_off_after_takeover() {
     let (release_tx, release_rx) = crossbeam_channel::bounded(1);
     let dir = TempDir::new("fence");
-    let mut config = idem::Config::new(dir.db());
-    config.addr = "127.0.0.1:0".parse().unwrap();
-    config.inflight_timeout = Duration::from_millis(300);
-    config.reaper_interval = Duration::from_secs(3600);
     let acquirer = Arc::new(StuckFirstCall {
         calls: Default::default(),
         release: release_rx,
         inner: idem::acquirer::Simulator::new(Duration::ZERO),
     });
-    let server = idem::Server::start_with_acquirer(config, acquirer.clone()).unwrap();
-    let client = Client::new(server.addr(), server.initial_key().unwrap());
-    client.card_and_shop();
+    let (server, client) = support::server_with_acquirer(&dir, acquirer.clone(), |c| {
+        c.inflight_timeout = Duration::from_millis(300);
+    });
 
     let c = client.clone();
     let owner_a = std::thread::spawn(move || c.charge("fenced", &charge_body(500)));
@@ -328,23 +324,19 @@ fn owner_stuck_before_its_ledger_commit_is_fenced_off() {
     let (release_tx, release_rx) = crossbeam_channel::bounded::<()>(1);
     let stalls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let dir = TempDir::new("fence-ledger");
-    let mut config = idem::Config::new(dir.db());
-    config.addr = "127.0.0.1:0".parse().unwrap();
-    config.inflight_timeout = Duration::from_millis(300);
-    config.reaper_interval = Duration::from_secs(3600);
     let hook_stalls = Arc::clone(&stalls);
-    config.hooks.before_ledger_phase = Some(Arc::new(move |_op: &str| {
-        if hook_stalls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-            let _ = release_rx.recv_timeout(Duration::from_secs(20));
-        }
-    }));
     let acquirer = Arc::new(Counting {
         calls: Default::default(),
         inner: idem::acquirer::Simulator::new(Duration::ZERO),
     });
-    let server = idem::Server::start_with_acquirer(config, acquirer.clone()).unwrap();
-    let client = Client::new(server.addr(), server.initial_key().unwrap());
-    client.card_and_shop();
+    let (server, client) = support::server_with_acquirer(&dir, acquirer.clone(), |c| {
+        c.inflight_timeout = Duration::from_millis(300);
+        c.hooks.before_ledger_phase = Some(Arc::new(move |_op: &str| {
+            if hook_stalls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                let _ = release_rx.recv_timeout(Duration::from_secs(20));
+            }
+        }));
+    });
 
     let c = client.clone();
     let owner_a = std::thread::spawn(move || c.charge("stuck", &charge_body(800)));

@@ -219,16 +219,12 @@ impl Acquirer for Flaky {
 #[test]
 fn transient_failure_answers_503_and_unlocks_the_key() {
     let dir = support::TempDir::new("flaky");
-    let mut config = idem::Config::new(dir.db());
-    config.addr = "127.0.0.1:0".parse().unwrap();
     let flaky = Arc::new(Flaky {
         failures: 2,
         calls: AtomicUsize::new(0),
         inner: Simulator::new(Duration::ZERO),
     });
-    let server = idem::Server::start_with_acquirer(config, flaky.clone()).unwrap();
-    let client = Client::new(server.addr(), server.initial_key().unwrap());
-    client.card_and_shop();
+    let (server, client) = support::server_with_acquirer(&dir, flaky.clone(), |_| {});
     for _ in 0..2 {
         let r = client.charge("flaky", &charge_body(80));
         assert_eq!(

@@ -227,6 +227,23 @@ pub fn server(configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Clien
     (server, client)
 }
 
+/// An in-process server on `dir`'s database that calls `acquirer`, with a
+/// client and the accounts `card` and `shop`. The reaper is left idle.
+pub fn server_with_acquirer(
+    dir: &TempDir,
+    acquirer: std::sync::Arc<dyn idem::acquirer::Acquirer>,
+    configure: impl FnOnce(&mut idem::Config),
+) -> (idem::Server, Client) {
+    let mut config = idem::Config::new(dir.db());
+    config.addr = "127.0.0.1:0".parse().unwrap();
+    config.reaper_interval = Duration::from_secs(3600);
+    configure(&mut config);
+    let server = idem::Server::start_with_acquirer(config, acquirer).expect("start server");
+    let client = Client::new(server.addr(), server.initial_key().expect("default key"));
+    client.card_and_shop();
+    (server, client)
+}
+
 pub fn charge_body(amount: i64) -> Value {
     json!({"amount": amount, "currency": "BRL", "source": "card", "destination": "shop"})
 }
