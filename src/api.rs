@@ -101,7 +101,9 @@ impl Answer {
         }
     }
 
-    /// Calls `f` with the reply when it is there (for metrics).
+    /// Calls `f` exactly once with the reply when it is there (for
+    /// metrics) — with a 500 if the reply is never delivered (a task that
+    /// panicked drops its `Deliver`, and the client gets a 500).
     pub fn inspect(self, f: impl FnOnce(&Reply) + Send + 'static) -> Answer {
         match self {
             Answer::Now(reply) => {
@@ -109,11 +111,25 @@ impl Answer {
                 Answer::Now(reply)
             }
             Answer::Later(start) => Answer::Later(Box::new(move |deliver: Deliver| {
+                let mut once = OnDrop(Some(f));
                 start(Box::new(move |reply| {
-                    f(&reply);
+                    if let Some(f) = once.0.take() {
+                        f(&reply);
+                    }
                     deliver(reply);
                 }))
             })),
+        }
+    }
+}
+
+/// Holds an observer; if dropped before it ran, it observes a 500.
+struct OnDrop<F: FnOnce(&Reply)>(Option<F>);
+
+impl<F: FnOnce(&Reply)> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f(&Problem::Internal.reply());
         }
     }
 }

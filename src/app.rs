@@ -10,17 +10,18 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, RwLock, Weak};
-use std::thread::JoinHandle;
+use std::sync::{Arc, RwLock, Weak};
 
-use crossbeam_channel::{Receiver, Sender};
 use rusqlite::Connection;
 use serde::Serialize;
 use serde_json::Value;
 
 use crate::acquirer::Acquirer;
 use crate::api::{Answer, Deliver, Problem, Reply};
-use crate::config::{Config, FaultPoint, OPERATION_QUEUE_LEN_MAX, OPERATION_THREADS};
+use crate::config::{
+    Config, FaultPoint, OPERATION_QUEUE_LEN_MAX, OPERATION_THREADS, RESERVATION_QUEUE_LEN_MAX,
+    RESERVATION_THREADS,
+};
 use crate::consumers;
 use crate::error::{Error, Result};
 use crate::idempotency::{
@@ -30,6 +31,7 @@ use crate::idempotency::{
 use crate::ledger::{self, AccountOutcome, ChargeOutcome, Origin, RefundOutcome, UnknownCursor};
 use crate::metrics::Metrics;
 use crate::model::{AccountRequest, ChargeRequest, ListObject, Operation, Page, RefundRequest};
+use crate::pool::{Pool, Task};
 use crate::store::{Readers, Writer};
 use crate::time::now_ms;
 
@@ -42,23 +44,13 @@ pub struct App {
     /// Key hash → consumer id. Consumers are never deleted, so a positive
     /// answer stays true; unknown keys are looked up every time.
     consumers: RwLock<HashMap<[u8; 32], i64>>,
-    /// The operation pool: owned operations run here, off the HTTP workers.
-    operations: Sender<Work>,
-    operation_threads: Mutex<Vec<JoinHandle<()>>>,
-    /// Itself, for the continuations it hands to the HTTP layer.
+    /// Short write tasks (a reservation, an account without key), off the
+    /// HTTP workers.
+    reservations: Pool,
+    /// Owned operations (acquirer, recovery point, ledger phase).
+    operations: Pool,
+    /// Itself, for the tasks it hands to its pools.
     me: Weak<App>,
-}
-
-/// A task for the operation pool.
-type Task = Box<dyn FnOnce(&App, Deliver) + Send>;
-
-enum Work {
-    /// Run `task`, which hands its reply to `deliver`.
-    Task {
-        task: Task,
-        deliver: Deliver,
-    },
-    Stop,
 }
 
 /// The reservation step's result, with the inline case (accounts and
@@ -96,50 +88,29 @@ impl App {
         acquirer: Arc<dyn Acquirer>,
         metrics: Arc<Metrics>,
     ) -> Arc<App> {
-        let (tx, rx) = crossbeam_channel::bounded(OPERATION_QUEUE_LEN_MAX);
-        let app = Arc::new_cyclic(|me| App {
+        Arc::new_cyclic(|me| App {
             config,
             metrics,
             writer,
             readers,
             acquirer,
             consumers: RwLock::new(HashMap::new()),
-            operations: tx,
-            operation_threads: Mutex::new(Vec::new()),
+            reservations: Pool::start("reserve", RESERVATION_THREADS, RESERVATION_QUEUE_LEN_MAX),
+            operations: Pool::start("op", OPERATION_THREADS, OPERATION_QUEUE_LEN_MAX),
             me: me.clone(),
-        });
-        let threads = (0..OPERATION_THREADS)
-            .map(|i| {
-                let app = Arc::clone(&app);
-                let rx: Receiver<Work> = rx.clone();
-                std::thread::Builder::new()
-                    .name(format!("idem-op-{i}"))
-                    .spawn(move || {
-                        while let Ok(Work::Task { task, deliver }) = rx.recv() {
-                            // A panic drops `deliver` (the client gets a 500)
-                            // and must not take the thread with it; keys are
-                            // unlocked by `run_operation_guarded`.
-                            let _ = catch_unwind(AssertUnwindSafe(|| task(&app, deliver)));
-                        }
-                    })
-                    .expect("spawn operation thread")
-            })
-            .collect();
-        *app.operation_threads.lock().expect("threads lock") = threads;
-        app
+        })
     }
 
-    /// Finishes queued operations and stops the operation threads, then the
-    /// writer (which checkpoints).
+    /// Runs queued reservations and operations, stops their threads, then
+    /// stops the writer (which checkpoints).
     pub fn stop(&self) {
-        let threads = std::mem::take(&mut *self.operation_threads.lock().expect("threads lock"));
-        for _ in &threads {
-            let _ = self.operations.send(Work::Stop);
-        }
-        for t in threads {
-            let _ = t.join();
-        }
+        self.reservations.stop();
+        self.operations.stop();
         self.writer.stop();
+    }
+
+    fn me(&self) -> Arc<App> {
+        self.me.upgrade().expect("the app outlives its requests")
     }
 
     fn timeouts(&self) -> Timeouts {
@@ -292,27 +263,23 @@ impl App {
         }
     }
 
-    /// Runs `task` on the operation pool; the HTTP layer awaits its reply.
-    /// A full queue answers 503 (nothing has been reserved yet).
+    /// Runs `task` on the reservation pool; the HTTP layer awaits its
+    /// reply. A full queue answers 503 (nothing has been reserved yet).
     fn later(&self, task: impl FnOnce(&App, Deliver) + Send + 'static) -> Answer {
-        let me = self.me.upgrade().expect("the app outlives its requests");
+        let me = self.me();
         Answer::Later(Box::new(move |deliver| {
-            let work = Work::Task {
-                task: Box::new(task),
-                deliver,
-            };
-            if let Err(e) = me.operations.try_send(work) {
-                if let Work::Task { deliver, .. } = e.into_inner() {
-                    let why = "operation queue is full".to_string();
-                    deliver(Problem::TemporarilyUnavailable(why).reply());
-                }
+            let app = Arc::clone(&me);
+            let task: Task = Box::new(move |deliver| task(&app, deliver));
+            if let Err(deliver) = me.reservations.submit(task, deliver) {
+                let why = "reservation queue is full".to_string();
+                deliver(Problem::TemporarilyUnavailable(why).reply());
             }
         }))
     }
 
-    /// Steps 4–9 on an operation thread: reserve, then (when this request
-    /// owns the key) run the operation. Async mode delivers 202 as soon as
-    /// the key is reserved and goes on working.
+    /// Steps 4–5 on a reservation thread: reserve; when this request owns
+    /// the key, hand the operation to the operation pool. Async mode answers
+    /// 202 once the operation is queued.
     fn reserve_and_run(&self, attempt: Attempt, op: Operation, inline: bool, deliver: Deliver) {
         let mode = attempt.mode;
         match self.reserve(attempt, op, inline) {
@@ -320,16 +287,31 @@ impl App {
                 if took_over {
                     self.metrics.orphans_taken_over.inc();
                 }
-                match mode {
-                    Mode::Sync => deliver(self.run_operation_guarded(row)),
-                    Mode::Async => {
-                        deliver(accepted(&row.op_id));
-                        // The reply is stored by the operation, not sent.
-                        let _ = self.run_operation_guarded(row);
-                    }
-                }
+                self.run_owned(row, mode, deliver);
             }
             other => deliver(self.answer(other, mode)),
+        }
+    }
+
+    /// Queues an owned operation on the operation pool. If it cannot be
+    /// queued, the key is unlocked and the client told 503.
+    fn run_owned(&self, row: KeyRow, mode: Mode, deliver: Deliver) {
+        let owner = row.owner();
+        let me = self.me();
+        let task: Task = Box::new(move |d| d(me.run_operation_guarded(row)));
+        let refused = match mode {
+            Mode::Sync => self.operations.submit(task, deliver).err(),
+            // Nobody waits for the reply: the stored answer is the result.
+            Mode::Async => match self.operations.submit(task, Box::new(|_| {})) {
+                Ok(()) => {
+                    deliver(accepted(&owner.op_id));
+                    None
+                }
+                Err(_) => Some(deliver),
+            },
+        };
+        if let Some(deliver) = refused {
+            deliver(self.give_up(&owner, Error::Unavailable("operation queue is full")));
         }
     }
 

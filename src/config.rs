@@ -36,6 +36,14 @@ pub const COMMIT_BATCH_MAX_DEFAULT: usize = 128;
 const _: () = assert!(COMMIT_BATCH_MAX_DEFAULT <= WRITE_QUEUE_LEN_MAX);
 /// Requests waiting for a worker thread, per worker.
 pub const WORKER_QUEUE_LEN_PER_WORKER: usize = 64;
+/// Short write tasks (reserving a key) waiting for a reservation thread. A
+/// full queue answers 503; nothing has been reserved yet.
+pub const RESERVATION_QUEUE_LEN_MAX: usize = 1024;
+/// Threads that reserve keys. A reservation is one writer command, so a few
+/// dozen keep the writer's batches full; they are separate from the
+/// operation threads so that slow acquirer calls never delay a reservation,
+/// a 202 or a 409.
+pub const RESERVATION_THREADS: usize = 32;
 /// Owned operations (a charge waiting for its acquirer and the writer, or an
 /// async operation) waiting for an operation thread. A full queue answers 503
 /// and unlocks the key.

@@ -35,6 +35,7 @@ pub mod ids;
 pub mod ledger;
 pub mod metrics;
 pub mod model;
+pub mod pool;
 pub mod reaper;
 pub mod store;
 pub mod time;
@@ -46,6 +47,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use acquirer::{Acquirer, Simulator};
+use api::Answer;
 use app::App;
 use config::OPERATION_THREADS;
 use http::server::{Handler, HttpServer};
@@ -110,7 +112,14 @@ impl Server {
         let handler_app = Arc::clone(&app);
         let handler: Handler = Arc::new(move |req| {
             let started = Instant::now();
-            let (route, answer) = http::router::handle(&handler_app, req);
+            let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                http::router::handle(&handler_app, req)
+            }));
+            // A panic is answered 500 by the worker; count it here.
+            let (route, answer) = handled.unwrap_or_else(|_| {
+                log::error!("handler panicked on {} {}", req.method, req.path);
+                ("unmatched", Answer::Now(api::Problem::Internal.reply()))
+            });
             let metrics = Arc::clone(&handler_app.metrics);
             answer.inspect(move |reply| {
                 metrics.record_request(route, reply.status, started.elapsed().as_secs_f64());

@@ -390,3 +390,46 @@ fn slow_owners_do_not_hold_http_workers() {
     }
     assert_eq!(client.all_charges().len(), WORKERS * 3);
 }
+
+/// More slow async charges than operation threads: every one still gets its
+/// 202 at once (reservations have their own pool), the surplus waits in the
+/// operation queue, and all of them complete.
+#[test]
+fn async_202_stays_immediate_when_every_operation_thread_is_busy() {
+    const REQUESTS: usize = idem::config::OPERATION_THREADS + 24;
+    const ACQUIRER: Duration = Duration::from_millis(2500);
+    let (_server, client) = server(|c| c.acquirer_latency = ACQUIRER);
+    let barrier = Arc::new(std::sync::Barrier::new(REQUESTS));
+    let senders: Vec<_> = (0..REQUESTS)
+        .map(|i| {
+            let (c, barrier) = (client.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                let started = std::time::Instant::now();
+                let key = format!("async-{i}");
+                let headers = [
+                    ("Idempotency-Key", key.as_str()),
+                    ("Prefer", "respond-async"),
+                ];
+                let r = c.request("POST", "/v1/charges", &headers, &charge_body(1).to_string());
+                (r, started.elapsed())
+            })
+        })
+        .collect();
+    let mut locations = Vec::new();
+    for sender in senders {
+        let (r, took) = sender.join().unwrap();
+        assert_eq!(r.status, 202, "{}", String::from_utf8_lossy(&r.body));
+        assert!(
+            took < ACQUIRER / 2,
+            "202 at once, not after an acquirer call: {took:?}"
+        );
+        locations.push(r.header("location").unwrap().to_string());
+    }
+    for location in locations {
+        support::eventually(Duration::from_secs(30), || {
+            (client.get(&location).json()["status"] == "completed").then_some(())
+        });
+    }
+    assert_eq!(client.all_charges().len(), REQUESTS);
+}
