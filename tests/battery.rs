@@ -89,10 +89,10 @@ fn same_key_same_body_concurrent_executes_once() {
 /// first request is still in flight or completed.
 #[test]
 fn same_key_different_body_is_rejected_and_executes_nothing() {
-    let (_server, client) = server(|c| c.acquirer_latency = Duration::from_millis(400));
+    let (server, client) = server(|c| c.acquirer_latency = Duration::from_millis(1000));
     let c2 = client.clone();
     let first = std::thread::spawn(move || c2.charge("k", &charge_body(100)));
-    std::thread::sleep(Duration::from_millis(150));
+    support::wait_for_key(server.db_path(), "k");
     let in_flight = client.charge("k", &charge_body(999));
     assert_eq!(in_flight.status, 422);
     assert_eq!(in_flight.slug(), "idempotency-key-reused");

@@ -223,7 +223,7 @@ fn sigterm_finishes_in_flight_requests_and_exits_0() {
         client.card_and_shop();
         let c = client.clone();
         let in_flight = std::thread::spawn(move || c.charge("bye", &charge_body(10)));
-        std::thread::sleep(Duration::from_millis(300));
+        support::wait_for_key(&db, "bye");
         let pid = server.child.id().to_string();
         assert!(Command::new("kill")
             .args([&format!("-{signal}"), &pid])

@@ -185,7 +185,7 @@ fn sigkill_during_acquirer_call() {
             &charge_body(99).to_string(),
         )
     });
-    std::thread::sleep(Duration::from_millis(500));
+    support::wait_for_key(&db, "k9");
     server.kill();
     let killed_at = Instant::now();
     assert!(
@@ -239,6 +239,8 @@ fn reaper_completes_an_orphan_nobody_retries() {
 /// stuck inside it past the in-flight timeout.
 struct StuckFirstCall {
     calls: std::sync::atomic::AtomicUsize,
+    /// Told when the first call is inside the acquirer.
+    entered: crossbeam_channel::Sender<()>,
     release: crossbeam_channel::Receiver<()>,
     inner: idem::acquirer::Simulator,
 }
@@ -251,6 +253,7 @@ impl Acquirer for StuckFirstCall {
         currency: &str,
     ) -> Result<Authorization, Unavailable> {
         if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            let _ = self.entered.send(());
             let _ = self.release.recv_timeout(Duration::from_secs(20));
         }
         self.inner.authorize(key, amount, currency)
@@ -264,8 +267,10 @@ impl Acquirer for StuckFirstCall {
 fn stuck_owner_is_fenced_off_after_takeover() {
     let (release_tx, release_rx) = crossbeam_channel::bounded(1);
     let dir = TempDir::new("fence");
+    let (entered_tx, entered_rx) = crossbeam_channel::bounded(1);
     let acquirer = Arc::new(StuckFirstCall {
         calls: Default::default(),
+        entered: entered_tx,
         release: release_rx,
         inner: idem::acquirer::Simulator::new(Duration::ZERO),
     });
@@ -275,6 +280,10 @@ fn stuck_owner_is_fenced_off_after_takeover() {
 
     let c = client.clone();
     let owner_a = std::thread::spawn(move || c.charge("fenced", &charge_body(500)));
+    entered_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("A reached the acquirer");
+    // A's lock (taken at reservation) is now older than the timeout.
     std::thread::sleep(Duration::from_millis(600));
     let b = client.charge("fenced", &charge_body(500));
     assert_eq!(
@@ -325,6 +334,7 @@ fn owner_stuck_before_its_ledger_commit_is_fenced_off() {
     let stalls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let dir = TempDir::new("fence-ledger");
     let hook_stalls = Arc::clone(&stalls);
+    let (at_hook_tx, at_hook_rx) = crossbeam_channel::bounded(1);
     let acquirer = Arc::new(Counting {
         calls: Default::default(),
         inner: idem::acquirer::Simulator::new(Duration::ZERO),
@@ -333,6 +343,7 @@ fn owner_stuck_before_its_ledger_commit_is_fenced_off() {
         c.inflight_timeout = Duration::from_millis(300);
         c.hooks.before_ledger_phase = Some(Arc::new(move |_op: &str| {
             if hook_stalls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                let _ = at_hook_tx.send(());
                 let _ = release_rx.recv_timeout(Duration::from_secs(20));
             }
         }));
@@ -340,7 +351,11 @@ fn owner_stuck_before_its_ledger_commit_is_fenced_off() {
 
     let c = client.clone();
     let owner_a = std::thread::spawn(move || c.charge("stuck", &charge_body(800)));
-    std::thread::sleep(Duration::from_millis(700));
+    at_hook_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("A recorded its recovery point and reached its ledger phase");
+    // A's lock (refreshed at its recovery point) is now older than the timeout.
+    std::thread::sleep(Duration::from_millis(600));
     let b = client.charge("stuck", &charge_body(800));
     assert_eq!(
         b.status,

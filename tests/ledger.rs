@@ -450,7 +450,7 @@ fn one_reference_never_reaches_the_acquirer_twice() {
     let c = client.clone();
     let b = body.clone();
     let first = std::thread::spawn(move || c.charge("key-a", &b));
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    support::wait_for_key(server.db_path(), "key-a");
     let second = client.charge("key-b", &body);
     assert_eq!(
         (second.status, second.slug().as_str()),

@@ -340,7 +340,7 @@ fn duplicates_are_answered_without_the_writer() {
     assert_eq!(done.status, 201);
     let c = client.clone();
     let in_flight = std::thread::spawn(move || c.charge("busy", &charge_body(6)));
-    std::thread::sleep(Duration::from_millis(200));
+    support::wait_for_key(server.db_path(), "busy");
     let before = commits(&server);
     for _ in 0..5 {
         assert!(client.charge("done", &charge_body(5)).replayed());
@@ -357,7 +357,7 @@ fn duplicates_are_answered_without_the_writer() {
 #[test]
 fn slow_owners_do_not_hold_http_workers() {
     const WORKERS: usize = 2;
-    const ACQUIRER: Duration = Duration::from_millis(1500);
+    const ACQUIRER: Duration = Duration::from_millis(3000);
     let (server, client) = server(|c| {
         c.workers = WORKERS;
         c.acquirer_latency = ACQUIRER;
@@ -373,7 +373,9 @@ fn slow_owners_do_not_hold_http_workers() {
         })
         .collect();
     barrier.wait();
-    std::thread::sleep(Duration::from_millis(300));
+    for i in 0..WORKERS * 3 {
+        support::wait_for_key(server.db_path(), &format!("slow-{i}"));
+    }
     let started = std::time::Instant::now();
     let dup = client.charge("slow-0", &charge_body(10));
     assert_eq!(dup.status, 409);

@@ -392,6 +392,23 @@ pub fn create_consumer_cli(db: &Path, name: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
+/// Waits until the key row of `key` exists (its request is reserved), by
+/// reading the server's database directly: a test then knows the order of
+/// events instead of guessing it with a sleep.
+pub fn wait_for_key(db: &Path, key: &str) {
+    let conn =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .expect("open the database read-only");
+    eventually(Duration::from_secs(30), || {
+        conn.query_row(
+            "SELECT 1 FROM idempotency_keys WHERE key = ?1",
+            [key],
+            |_| Ok(()),
+        )
+        .ok()
+    });
+}
+
 /// Polls `f` until it returns Some or `within` passes.
 pub fn eventually<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + within;
