@@ -7,9 +7,12 @@
 //! counts the connections that actually got answers: a load tool reports no
 //! error for a connection that is never served.
 //!
-//! Scenarios: `unique` (1/16/64 connections, group commit vs
-//! `--commit-batch-max 1`, and peak RSS), `hot_key`, `hot_account`,
-//! `retry_storm`, `floor` (the same charges through the library, no HTTP),
+//! Scenarios, each with its same-run baseline: `unique` (1/16/64
+//! connections, group commit vs `--commit-batch-max 1`, peak RSS, commands
+//! per commit), `hot_key` (losers' latency vs the owner's), `hot_account`
+//! (vs spread accounts), `retry_storm` (vs unique keys), `floor` (the same
+//! charges through the library on an in-process server with the default
+//! configuration — `IDEM_BENCH_SERVER_ARGS` does not reach it — vs HTTP),
 //! and, only when named, `batch_sweep` (how the default
 //! `--commit-batch-max` was chosen).
 //! Results go to `target/bench/contention.json`.
@@ -264,7 +267,8 @@ fn charge_body(amount: i64, src: usize, dst: usize) -> String {
 }
 
 /// Mean write commands per commit so far, from the server's metrics.
-fn mean_batch(addr: SocketAddr, key: &str) -> f64 {
+/// (write commands, commits) so far, from the server's metrics.
+fn commit_counters(addr: SocketAddr, key: &str) -> (f64, f64) {
     let metrics = Conn::new(addr, key)
         .request("GET", "/metrics", None, "")
         .unwrap();
@@ -275,7 +279,10 @@ fn mean_batch(addr: SocketAddr, key: &str) -> f64 {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(f64::NAN)
     };
-    value("idem_commit_batch_size_sum ") / value("idem_commit_batch_size_count ")
+    (
+        value("idem_commit_batch_size_sum "),
+        value("idem_commit_batch_size_count "),
+    )
 }
 
 fn assert_one_charge_per_201(server: &ServerProc, run: &Run) {
@@ -325,6 +332,8 @@ struct Tally {
 struct Run {
     seconds: f64,
     tallies: Vec<Tally>,
+    /// Mean write commands per commit during the run (set-up excluded).
+    commands_per_commit: Option<f64>,
 }
 
 impl Run {
@@ -423,6 +432,7 @@ fn drive(addr: SocketAddr, key: &str, conns: usize, duration: Duration, next: Ne
     Run {
         seconds: started.elapsed().as_secs_f64(),
         tallies,
+        commands_per_commit: None,
     }
 }
 
@@ -533,7 +543,10 @@ impl Bench {
     fn measure(&self, args: &[&str], conns: usize, next: Next) -> (Run, ServerProc) {
         let server = ServerProc::start(args);
         setup_accounts(server.addr, &server.key, conns);
-        let run = drive(server.addr, &server.key, conns, self.duration, next);
+        let (commands, commits) = commit_counters(server.addr, &server.key);
+        let mut run = drive(server.addr, &server.key, conns, self.duration, next);
+        let (commands_after, commits_after) = commit_counters(server.addr, &server.key);
+        run.commands_per_commit = Some((commands_after - commands) / (commits_after - commits));
         (run, server)
     }
 
@@ -552,7 +565,7 @@ impl Bench {
                 let (run, server) = self.measure(args, conns, unique_keys(conns, false));
                 let mut r = row(&format!("{label}, {conns} conns"), &run, conns);
                 r["peak_rss_kib"] = json!(server.peak_rss_kib());
-                r["mean_batch"] = json!(mean_batch(server.addr, &server.key));
+                r["mean_batch"] = json!(run.commands_per_commit);
                 assert_one_charge_per_201(&server, &run);
                 rounds[i].push(r);
             }
@@ -606,9 +619,10 @@ impl Bench {
                     barrier.wait();
                     loop {
                         let started = Instant::now();
-                        let a = conn
-                            .request("POST", "/v1/charges", Some(&key), &body)
-                            .unwrap();
+                        // An unanswered connection is counted, not fatal.
+                        let Ok(a) = conn.request("POST", "/v1/charges", Some(&key), &body) else {
+                            return None;
+                        };
                         let us = started.elapsed().as_micros() as u64;
                         match a.status {
                             409 => {
@@ -616,14 +630,16 @@ impl Bench {
                                 // More impatient than `Retry-After: 1`.
                                 std::thread::sleep(LOSER_PAUSE);
                             }
-                            201 => return (losers, a.replayed, a.body, us),
+                            201 => return Some((losers, a.replayed, a.body, us)),
                             s => panic!("hot key: unexpected {s}"),
                         }
                     }
                 })
             })
             .collect();
-        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let answers: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let answered = answers.iter().flatten().count();
+        let results: Vec<_> = answers.into_iter().flatten().collect();
         let owners = results.iter().filter(|r| !r.1).count();
         let bodies_agree = results.iter().all(|r| r.2 == results[0].2);
         let mut losers: Vec<u64> = results.iter().flat_map(|r| r.0.iter().copied()).collect();
@@ -637,22 +653,23 @@ impl Bench {
             "\n## hot key: {CONNS} connections, one key, acquirer 500 ms, \
              each loser retries after {LOSER_PAUSE:?}\n"
         );
-        println!("| conns answered | owner ms | 409 answers | loser p50 ms | loser p99 ms | loser max ms | charges | fresh 201s | replays agree |");
+        println!("| conns answered | owner ms (baseline) | 409 answers | loser p50 ms | loser p99 ms | loser max ms | charges | fresh 201s | replays agree |");
         println!("|---|---|---|---|---|---|---|---|---|");
         println!(
             "| {}/{CONNS} | {owner_ms:.1} | {} | {:.2} | {:.2} | {:.2} | {charges} | {owners} | {bodies_agree} |",
-            results.len(),
+            answered,
             losers.len(),
             pct(&losers, 0.5),
             pct(&losers, 0.99),
             pct(&losers, 1.0)
         );
+        assert_eq!(answered, CONNS, "every connection got its answer");
         assert_eq!(charges, 1, "exactly one effect");
         assert_eq!(owners, 1);
         assert!(bodies_agree);
         self.results.insert(
             "hot_key".into(),
-            json!({"connections": CONNS, "owner_ms": owner_ms, "losers": losers.len(),
+            json!({"connections": CONNS, "answered_connections": answered, "owner_ms": owner_ms, "losers": losers.len(),
                    "loser_p50_ms": pct(&losers, 0.5), "loser_p99_ms": pct(&losers, 0.99), "charges": charges}),
         );
     }
@@ -743,7 +760,7 @@ impl Bench {
             &rows,
         );
         println!(
-            "\nstorm/baseline throughput (all answers): {}; charges {} for {} replays",
+            "\nstorm/baseline 2xx answers per second: {}; charges {} for {} replays",
             ratio(
                 rows[1]["per_second"].as_f64().unwrap(),
                 rows[0]["per_second"].as_f64().unwrap()
@@ -803,6 +820,7 @@ impl Bench {
         let floor = Run {
             tallies: handles.into_iter().map(|h| h.join().unwrap()).collect(),
             seconds: started.elapsed().as_secs_f64(),
+            commands_per_commit: None,
         };
         drop(server);
 
@@ -867,7 +885,10 @@ fn main() {
     if selected.iter().any(|s| s == "batch_sweep") {
         bench.batch_sweep();
     }
-    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+    let out = target.join("bench");
     std::fs::create_dir_all(&out).unwrap();
     let file = out.join("contention.json");
     std::fs::write(
