@@ -78,43 +78,57 @@ fn restart(db: &Path, client: &mut Client, args: &[&str]) -> ChildServer {
 fn retries_recover_exactly_once(db: &Path, fault: &str) {
     let mut client = crash_during_charge(db, fault);
     let crashed_at = Instant::now();
-    let _server = restart(db, &mut client, &[]);
+    after_crash_one_charge(db, &mut client, "crash-key", 4200, crashed_at, &[]);
+}
 
-    let early = client.charge("crash-key", &charge_body(4200));
+/// After a crash that left `key` reserved (at `crashed_at`): restart with
+/// `args`; a retry before the in-flight timeout gets 409, one after it takes
+/// the orphan over and charges once, a late retry replays it, the acquirer
+/// authorised once, and `idem verify` passes.
+fn after_crash_one_charge(
+    db: &Path,
+    client: &mut Client,
+    key: &str,
+    amount: i64,
+    crashed_at: Instant,
+    args: &[&str],
+) {
+    let _server = restart(db, client, args);
+    let early = client.charge(key, &charge_body(amount));
     assert!(
         crashed_at.elapsed() < INFLIGHT_TIMEOUT,
         "restart was too slow for this test"
     );
     assert_eq!(
         early.status, 409,
-        "{fault}: the orphan is not yet past the in-flight timeout"
+        "{key}: the orphan is not yet past the in-flight timeout"
     );
     assert_eq!(early.slug(), "idempotency-key-in-use");
 
     std::thread::sleep(
         INFLIGHT_TIMEOUT.saturating_sub(crashed_at.elapsed()) + Duration::from_millis(300),
     );
-    let taken_over = client.charge("crash-key", &charge_body(4200));
+    let taken_over = client.charge(key, &charge_body(amount));
     assert_eq!(
         taken_over.status,
         201,
-        "{fault}: {}",
+        "{key}: {}",
         String::from_utf8_lossy(&taken_over.body)
     );
     assert!(!taken_over.replayed());
-    let late = client.charge("crash-key", &charge_body(4200));
+    let late = client.charge(key, &charge_body(amount));
     assert!(late.replayed());
     assert_eq!(late.body, taken_over.body);
 
     assert_eq!(client.all_charges().len(), 1);
-    assert_eq!(client.balance("shop"), 4200);
+    assert_eq!(client.balance("shop"), amount);
     let charges = charges_in_db(db);
     let journal = journal_lines(db);
     assert_eq!(charges.len(), 1);
     assert_eq!(
         journal.len(),
         1,
-        "{fault}: the acquirer authorised exactly once: {journal:?}"
+        "{key}: the acquirer authorised exactly once: {journal:?}"
     );
     assert!(
         journal[0].contains(&charges[0].1),
@@ -192,17 +206,14 @@ fn sigkill_during_acquirer_call() {
         pending.join().unwrap().is_err(),
         "no answer from a killed server"
     );
-
-    let _server = restart(&db, &mut client, &["--acquirer-latency", "0ms"]);
-    assert_eq!(client.charge("k9", &charge_body(99)).status, 409);
-    std::thread::sleep(
-        INFLIGHT_TIMEOUT.saturating_sub(killed_at.elapsed()) + Duration::from_millis(300),
+    after_crash_one_charge(
+        &db,
+        &mut client,
+        "k9",
+        99,
+        killed_at,
+        &["--acquirer-latency", "0ms"],
     );
-    let retry = client.charge("k9", &charge_body(99));
-    assert_eq!(retry.status, 201);
-    assert_eq!(client.all_charges().len(), 1);
-    assert_eq!(journal_lines(&db).len(), 1);
-    support::assert_verified(&db);
 }
 
 /// An orphan nobody retries is completed by the reaper; a late retry then
