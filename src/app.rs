@@ -353,7 +353,7 @@ impl App {
                 self.metrics.conflicts_reused.inc();
                 Problem::IdempotencyKeyReused.reply()
             }
-            Ok(Reserved::Pending(Reservation::Busy { op_id, .. })) => self.busy(&op_id, mode),
+            Ok(Reserved::Pending(Reservation::Busy { op_id })) => self.busy(&op_id, mode),
             Ok(Reserved::Pending(Reservation::ReferenceBusy)) => {
                 self.metrics.conflicts_in_use.inc();
                 Problem::ReferenceInUse.reply()

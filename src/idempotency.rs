@@ -382,7 +382,6 @@ pub enum Reservation {
     /// Someone alive owns it: 409 (sync) or 202 (async) naming `op_id`.
     Busy {
         op_id: String,
-        decision: Decision,
     },
     /// Another key's request with the same `reference` is in progress: 409
     /// `reference-in-use`; this key stays free.
@@ -418,9 +417,8 @@ pub fn settle(row: Option<&KeyRow>, a: &Attempt, now_ms: i64, t: Timeouts) -> Op
                 .expect("completed rows have a response"),
         )),
         Decision::Reused => Some(Reservation::Reused),
-        d @ (Decision::InUse | Decision::Accepted) => Some(Reservation::Busy {
+        Decision::InUse | Decision::Accepted => Some(Reservation::Busy {
             op_id: row.op_id.clone(),
-            decision: d,
         }),
         Decision::Execute | Decision::TakeOver => None,
     }
