@@ -255,8 +255,9 @@ impl App {
             .and_then(|row| idempotency::settle(row.as_ref(), &attempt, now_ms(), t));
         match settled {
             Some(answer) => Answer::Now(self.answer(Ok(Reserved::Pending(answer)), mode)),
-            // Everything that writes runs on the operation pool: no HTTP
-            // worker waits for the writer or the acquirer.
+            // Everything that writes runs on the reservation pool, then the
+            // operation pool: no HTTP worker waits for the writer or the
+            // acquirer.
             None => {
                 self.later(move |app, deliver| app.reserve_and_run(attempt, op, inline, deliver))
             }
