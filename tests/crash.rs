@@ -271,6 +271,38 @@ impl Acquirer for StuckFirstCall {
     }
 }
 
+/// Owner A sends `key` and stalls (it signals `stalled`); once its lock is
+/// older than the 300 ms in-flight timeout, B sends the same request and
+/// takes over, finishing with a fresh 201; then A is released, finds itself
+/// fenced off, and answers B's stored bytes as a replay.
+fn stuck_owner_loses_to_takeover(
+    client: &Client,
+    key: &'static str,
+    amount: i64,
+    stalled: &crossbeam_channel::Receiver<()>,
+    release: &crossbeam_channel::Sender<()>,
+) {
+    let c = client.clone();
+    let owner_a = std::thread::spawn(move || c.charge(key, &charge_body(amount)));
+    stalled
+        .recv_timeout(Duration::from_secs(20))
+        .expect("A stalled where the test holds it");
+    std::thread::sleep(Duration::from_millis(600));
+    let b = client.charge(key, &charge_body(amount));
+    assert_eq!(
+        b.status,
+        201,
+        "B took the orphan over: {}",
+        String::from_utf8_lossy(&b.body)
+    );
+    assert!(!b.replayed());
+    release.send(()).unwrap();
+    let a = owner_a.join().unwrap();
+    assert_eq!(a.status, 201);
+    assert!(a.replayed(), "A lost its key and answers like a duplicate");
+    assert_eq!(a.body, b.body);
+}
+
 /// Fencing: owner A is stuck past the in-flight timeout; B takes the key
 /// over and finishes; when A wakes up its commit is refused (stale fencing
 /// token) and it answers like a later duplicate. One charge, one authorization.
@@ -289,28 +321,8 @@ fn stuck_owner_is_fenced_off_after_takeover() {
         c.inflight_timeout = Duration::from_millis(300);
     });
 
-    let c = client.clone();
-    let owner_a = std::thread::spawn(move || c.charge("fenced", &charge_body(500)));
-    entered_rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("A reached the acquirer");
-    // A's lock (taken at reservation) is now older than the timeout.
-    std::thread::sleep(Duration::from_millis(600));
-    let b = client.charge("fenced", &charge_body(500));
-    assert_eq!(
-        b.status,
-        201,
-        "B took the orphan over: {}",
-        String::from_utf8_lossy(&b.body)
-    );
-    release_tx.send(()).unwrap();
-    let a = owner_a.join().unwrap();
-    assert_eq!(
-        a.status, 201,
-        "A lost and answers like a duplicate: the stored answer"
-    );
-    assert!(a.replayed());
-    assert_eq!(a.body, b.body);
+    // A's lock (taken at reservation) goes stale while it waits in the acquirer.
+    stuck_owner_loses_to_takeover(&client, "fenced", 500, &entered_rx, &release_tx);
     assert_eq!(acquirer.calls.load(std::sync::atomic::Ordering::SeqCst), 2);
     assert_eq!(client.all_charges().len(), 1);
     assert_eq!(client.balance("shop"), 500);
@@ -360,26 +372,8 @@ fn owner_stuck_before_its_ledger_commit_is_fenced_off() {
         }));
     });
 
-    let c = client.clone();
-    let owner_a = std::thread::spawn(move || c.charge("stuck", &charge_body(800)));
-    at_hook_rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("A recorded its recovery point and reached its ledger phase");
-    // A's lock (refreshed at its recovery point) is now older than the timeout.
-    std::thread::sleep(Duration::from_millis(600));
-    let b = client.charge("stuck", &charge_body(800));
-    assert_eq!(
-        b.status,
-        201,
-        "B took over: {}",
-        String::from_utf8_lossy(&b.body)
-    );
-    assert!(!b.replayed());
-    release_tx.send(()).unwrap();
-    let a = owner_a.join().unwrap();
-    assert_eq!(a.status, 201);
-    assert!(a.replayed(), "A lost its key and answers like a duplicate");
-    assert_eq!(a.body, b.body);
+    // A's lock (refreshed at its recovery point) goes stale at its ledger phase.
+    stuck_owner_loses_to_takeover(&client, "stuck", 800, &at_hook_rx, &release_tx);
     assert_eq!(
         acquirer.calls.load(std::sync::atomic::Ordering::SeqCst),
         1,
