@@ -1,4 +1,4 @@
-//! The command line: `serve`, `consumers create|list`, `verify`. Raw flags
+//! The command line: `serve`, `consumers create|list`, `verify`, `backup`. Raw flags
 //! (each also read from an `IDEM_*` environment variable) become a validated
 //! [`Config`] here, once.
 
@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::{self, parse_duration, Config, FaultPoint, Synchronous, WRITE_QUEUE_LEN_MAX};
 use crate::error::{Error, Result};
-use crate::{consumers, store, verify, Server};
+use crate::{backup, consumers, store, verify, Server};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -39,6 +39,13 @@ enum Command {
     /// Check the database: integrity, foreign keys and every ledger invariant.
     /// Exit 0 if all hold, 1 with a report if not.
     Verify,
+    /// Copy the database to OUT with SQLite's online backup API, safely while
+    /// `idem serve` runs, then verify the copy. Exit 0 if the copy verifies.
+    Backup {
+        /// Where to write the copy (must not exist): one self-contained
+        /// SQLite file, to restore by starting `idem serve --db OUT`.
+        out: PathBuf,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -81,6 +88,11 @@ struct ServeArgs {
     #[arg(long, env = "IDEM_COMMIT_BATCH_MAX", default_value_t = config::COMMIT_BATCH_MAX_DEFAULT as u16,
           value_parser = clap::value_parser!(u16).range(1..=WRITE_QUEUE_LEN_MAX as i64))]
     commit_batch_max: u16,
+    /// Serve without first checking the database (integrity, foreign keys,
+    /// every ledger invariant: what `idem verify` checks). Only to get at the
+    /// data of a damaged database; the server may then serve wrong balances.
+    #[arg(long, env = "IDEM_SKIP_VERIFY")]
+    skip_verify: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -133,6 +145,18 @@ pub fn run() -> Result<i32> {
             print!("{report}");
             Ok(if report.ok() { 0 } else { 1 })
         }
+        Command::Backup { out } => {
+            let summary = backup::backup(&cli.db, &out)?;
+            eprintln!(
+                "copied {} pages ({} bytes) of {} to {}",
+                summary.pages,
+                summary.bytes,
+                cli.db.display(),
+                out.display()
+            );
+            print!("{}", summary.report);
+            Ok(if summary.report.ok() { 0 } else { 1 })
+        }
     }
 }
 
@@ -154,6 +178,7 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
         SyncArg::Normal => Synchronous::Normal,
     };
     config.commit_batch_max = usize::from(args.commit_batch_max);
+    config.verify_on_start = !args.skip_verify;
     if let Ok(fault) = std::env::var("IDEM_FAULT") {
         let point = FaultPoint::parse(&fault)
             .ok_or_else(|| Error::Usage(format!("IDEM_FAULT: unknown fault point '{fault}'")))?;

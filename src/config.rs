@@ -153,6 +153,9 @@ pub struct Config {
     pub commit_batch_max: usize,
     pub fault: Option<FaultPoint>,
     pub hooks: Hooks,
+    /// Run `idem verify`'s checks before serving and refuse a database that
+    /// fails them (`--skip-verify` turns this off).
+    pub verify_on_start: bool,
 }
 
 impl Config {
@@ -169,6 +172,7 @@ impl Config {
             commit_batch_max: COMMIT_BATCH_MAX_DEFAULT,
             fault: None,
             hooks: Hooks::default(),
+            verify_on_start: true,
         }
     }
 }

@@ -25,6 +25,7 @@
 pub mod acquirer;
 pub mod api;
 pub mod app;
+pub mod backup;
 pub mod cli;
 pub mod config;
 pub mod consumers;
@@ -100,6 +101,9 @@ impl Server {
         refuse_memory(&config)?;
         let lock = ProcessLock::acquire(&config.db)?;
         let conn = store::open_rw(&config.db, config.synchronous)?;
+        if config.verify_on_start {
+            check_on_start(&config.db, &conn)?;
+        }
         let initial_key = if consumers::count(&conn)? == 0 {
             Some(consumers::create(&conn, "default")?.1)
         } else {
@@ -203,6 +207,22 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Refuses to serve a database that fails `idem verify`'s checks: serving
+/// it would answer replays and balances from a ledger already wrong, and
+/// every new charge would be written on top of the damage.
+fn check_on_start(db: &Path, conn: &rusqlite::Connection) -> Result<()> {
+    let report = verify::verify(conn)?;
+    if report.ok() {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "refusing to serve {}: it fails its startup check\n{report}\
+         restore it from a backup (`idem backup`), or inspect it with `idem verify`; \
+         `idem serve --skip-verify` serves it anyway",
+        db.display()
+    )))
 }
 
 /// `:memory:` cannot be shared by the writer and the readers.

@@ -2,9 +2,9 @@
 //! contract, each as a query that lists what breaks it. Used by the CLI and
 //! by every test that crashes the server.
 
-use rusqlite::Connection;
+use rusqlite::{Connection, ErrorCode};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// What failed; empty when the database is sound.
 #[derive(Debug, Default)]
@@ -127,8 +127,16 @@ pub fn verify(conn: &Connection) -> Result<Report> {
     conn.execute_batch("BEGIN")?;
     let result = run_checks(conn, &mut report);
     let _ = conn.execute_batch("COMMIT");
-    result?;
-    Ok(report)
+    match result {
+        // A damaged file can make a check itself fail: that is a finding.
+        Err(Error::Db(e)) if is_damage(&e) => {
+            report
+                .failures
+                .push(format!("the database file is damaged: {e}"));
+            Ok(report)
+        }
+        other => other.map(|()| report),
+    }
 }
 
 fn run_checks(conn: &Connection, report: &mut Report) -> Result<()> {
@@ -156,6 +164,13 @@ fn run_checks(conn: &Connection, report: &mut Report) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn is_damage(e: &rusqlite::Error) -> bool {
+    matches!(
+        e.sqlite_error_code(),
+        Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase)
+    )
 }
 
 fn query_lines(conn: &Connection, sql: &str) -> Result<Vec<String>> {

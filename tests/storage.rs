@@ -1,0 +1,502 @@
+//! Storage faults: a full disk, a damaged database at startup, and an online
+//! backup taken while the server writes.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use rusqlite::{Connection, OpenFlags};
+use serde_json::json;
+use support::{charge_body, Client, Resp, TempDir};
+
+/// Runs `idem ARGS --db DB` to completion, failing if it still runs after
+/// `within`: (exit code, stdout and stderr).
+fn run_idem(args: &[&str], db: &Path, within: Duration) -> (i32, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .arg("--db")
+        .arg(db)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idem");
+    let deadline = Instant::now() + within;
+    while child.try_wait().expect("try_wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "idem {args:?} still running after {within:?}; stderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// A database with a few charges and a refund, written by a server that
+/// then shut down cleanly (its WAL checkpointed into the file).
+fn ledger_on_disk(dir: &TempDir) -> PathBuf {
+    let mut config = idem::Config::new(dir.db());
+    config.addr = "127.0.0.1:0".parse().unwrap();
+    let server = idem::Server::start(config).unwrap();
+    let client = Client::new(server.addr(), server.initial_key().unwrap());
+    client.card_and_shop();
+    for i in 0..20 {
+        assert_eq!(
+            client.charge(&format!("c{i}"), &charge_body(100)).status,
+            201
+        );
+    }
+    server.shutdown();
+    dir.db()
+}
+
+#[test]
+fn serve_refuses_a_database_that_breaks_a_ledger_invariant() {
+    let dir = TempDir::new("startup-invariant");
+    let db = ledger_on_disk(&dir);
+    Connection::open(&db)
+        .unwrap()
+        .execute(
+            "UPDATE accounts SET balance = balance + 7 WHERE public_id = 'shop'",
+            [],
+        )
+        .unwrap();
+
+    let (code, out) = run_idem(
+        &["serve", "--addr", "127.0.0.1:0"],
+        &db,
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("refusing to serve"), "{out}");
+    assert!(out.contains("balances sum to zero"), "{out}");
+    assert!(out.contains("--skip-verify"), "{out}");
+    assert!(!out.contains("listening on"), "{out}");
+
+    // The escape hatch serves it, and the damage is still there to inspect.
+    let child = support::ChildServer::start(&db, &["--skip-verify"], &[]);
+    drop(child);
+    let (code, report) = support::verify_cli(&db);
+    assert_eq!(code, 1, "{report}");
+}
+
+#[test]
+fn serve_refuses_a_database_that_fails_integrity_check() {
+    let dir = TempDir::new("startup-integrity");
+    let db = ledger_on_disk(&dir);
+    // Overwrite the root page of an index with garbage: the tables still
+    // read, but the file is damaged.
+    let (root, page_size): (i64, i64) = {
+        let conn = Connection::open(&db).unwrap();
+        let root = conn
+            .query_row(
+                "SELECT rootpage FROM sqlite_schema WHERE type = 'index' \
+                 AND tbl_name = 'entries' ORDER BY name LIMIT 1",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        let page_size = conn
+            .query_row("PRAGMA page_size", [], |r| r.get(0))
+            .unwrap();
+        (root, page_size)
+    };
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut file = std::fs::OpenOptions::new().write(true).open(&db).unwrap();
+        file.seek(SeekFrom::Start(((root - 1) * page_size) as u64))
+            .unwrap();
+        file.write_all(&vec![0xA5; page_size as usize]).unwrap();
+        file.sync_all().unwrap();
+    }
+
+    let (code, out) = run_idem(
+        &["serve", "--addr", "127.0.0.1:0"],
+        &db,
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("refusing to serve"), "{out}");
+    assert!(
+        out.contains("integrity_check") || out.contains("damaged"),
+        "{out}"
+    );
+    assert!(!out.contains("listening on"), "{out}");
+}
+
+/// Charges that keep coming while the backup runs; the copy holds every
+/// charge acknowledged before the backup started, and passes verify.
+#[test]
+fn online_backup_while_serving_is_consistent() {
+    let dir = TempDir::new("backup");
+    let (server, client) = support::server(|c| c.db = dir.db());
+    let acked = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let (client, acked, stop) = (client.clone(), acked.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let r = client.charge(&format!("w{w}-{i}"), &charge_body(3));
+                    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+                    acked.fetch_add(1, Ordering::SeqCst);
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    support::eventually(Duration::from_secs(30), || {
+        (acked.load(Ordering::SeqCst) >= 200).then_some(())
+    });
+
+    let out = dir.0.join("copy.db");
+    let before = acked.load(Ordering::SeqCst);
+    let (code, report) = run_idem(
+        &["backup", out.to_str().unwrap()],
+        server.db_path(),
+        Duration::from_secs(60),
+    );
+    let after = acked.load(Ordering::SeqCst);
+    assert_eq!(code, 0, "{report}");
+    assert!(report.contains("ok: integrity"), "{report}");
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.join().unwrap();
+    }
+    assert!(
+        after > before,
+        "the server kept committing during the backup"
+    );
+
+    support::assert_verified(&out);
+    let copy = Connection::open_with_flags(&out, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let charges: usize = copy
+        .query_row("SELECT count(*) FROM charges", [], |r| r.get(0))
+        .unwrap();
+    assert!(
+        charges >= before,
+        "copy has {charges} charges, {before} were acknowledged before it"
+    );
+    let mode: String = copy
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "delete", "the copy is one self-contained file");
+    assert!(!dir.0.join("copy.db.partial").exists());
+
+    // A second backup to the same place refuses to overwrite the first.
+    let (code, report) = run_idem(
+        &["backup", out.to_str().unwrap()],
+        server.db_path(),
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, 1, "{report}");
+    assert!(report.contains("already exists"), "{report}");
+
+    // The copy is a database idem serves (the restore path).
+    drop(server);
+    let restored = support::ChildServer::start(&out, &[], &[]);
+    let restored_client = Client::new(restored.addr, &client.key);
+    assert_eq!(restored_client.all_charges().len(), charges);
+}
+
+/// A size-limited tmpfs mounted for one test, unmounted on drop.
+struct SmallFs(PathBuf);
+
+impl SmallFs {
+    /// None when this machine cannot mount (not root): the test is skipped,
+    /// unless `IDEM_TEST_REQUIRE_MOUNT` is set (CI sets it) and then it fails.
+    fn mount(dir: &TempDir, size: &str) -> Option<SmallFs> {
+        let path = dir.0.join("fs");
+        std::fs::create_dir_all(&path).unwrap();
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&path)
+            .stderr(Stdio::piped())
+            .output();
+        match status {
+            Ok(out) if out.status.success() => Some(SmallFs(path)),
+            other => {
+                let why = format!("cannot mount a tmpfs (root needed): {other:?}");
+                assert!(
+                    std::env::var_os("IDEM_TEST_REQUIRE_MOUNT").is_none(),
+                    "{why}"
+                );
+                eprintln!("SKIPPED: {why}");
+                None
+            }
+        }
+    }
+
+    /// Writes a file until the filesystem is full.
+    fn fill(&self) -> PathBuf {
+        fill(&self.0)
+    }
+}
+
+/// Writes `dir/filler` until the filesystem holding `dir` is full.
+fn fill(dir: &Path) -> PathBuf {
+    use std::io::Write;
+    let path = dir.join("filler");
+    let mut file = std::fs::File::create(&path).unwrap();
+    let chunk = vec![0u8; 4096];
+    loop {
+        match file.write_all(&chunk) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(28) => break, // ENOSPC
+            Err(e) => panic!("filling the disk: {e}"),
+        }
+    }
+    let _ = file.sync_all();
+    path
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+fn assert_unavailable(r: &Resp, what: &str) {
+    assert_eq!(
+        r.status,
+        503,
+        "{what}: {}",
+        String::from_utf8_lossy(&r.body)
+    );
+    assert_eq!(r.slug(), "temporarily-unavailable", "{what}");
+    assert!(
+        r.header("content-type")
+            .is_some_and(|t| t.starts_with("application/problem+json")),
+        "{what}"
+    );
+    assert!(r.header("retry-after").is_some(), "{what}: no Retry-After");
+}
+
+#[test]
+fn a_full_disk_answers_503_changes_nothing_and_retries_succeed_once_space_returns() {
+    let dir = TempDir::new("disk-full");
+    let Some(fs) = SmallFs::mount(&dir, "6m") else {
+        return;
+    };
+    let mut config = idem::Config::new(fs.0.join("idem.db"));
+    config.addr = "127.0.0.1:0".parse().unwrap();
+    config.inflight_timeout = Duration::from_millis(300);
+    config.reaper_interval = Duration::from_secs(3600);
+    let server = idem::Server::start(config).unwrap();
+    let client = Client::new(server.addr(), server.initial_key().unwrap());
+    client.card_and_shop();
+    let first = client.charge("before", &charge_body(1000));
+    assert_eq!(first.status, 201);
+    let first_id = first.json()["id"].as_str().unwrap().to_string();
+
+    let filler = fs.fill();
+
+    // Charges (several at once, as terminals would send them) until the
+    // disk refuses: every one either succeeds whole or is told 503.
+    let mut refused: Vec<(String, i64)> = Vec::new();
+    let mut succeeded: Vec<(String, i64, Resp)> = Vec::new();
+    let mut round = 0;
+    while refused.len() < 8 {
+        assert!(round < 200, "the full disk never refused a write");
+        let barrier = Arc::new(Barrier::new(4));
+        let answers: Vec<_> = (0..4)
+            .map(|t| {
+                let (client, barrier) = (client.clone(), barrier.clone());
+                let key = format!("full-{round}-{t}");
+                let amount = 10 + t;
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    let r = client.charge(&key, &charge_body(amount));
+                    (key, amount, r)
+                })
+            })
+            .collect();
+        for a in answers {
+            let (key, amount, r) = a.join().unwrap();
+            match r.status {
+                201 => succeeded.push((key, amount, r)),
+                _ => {
+                    assert_unavailable(&r, &key);
+                    refused.push((key, amount));
+                }
+            }
+        }
+        round += 1;
+    }
+    // Other writes are refused the same way, with nothing half-done.
+    let account = client.post(
+        "/v1/accounts",
+        None,
+        &json!({"id": "new", "currency": "BRL", "allow_negative": false}),
+    );
+    assert_unavailable(&account, "create account");
+
+    // Reads keep working on the full disk.
+    assert_eq!(client.get("/healthz").status, 200);
+    assert_eq!(client.get(&format!("/v1/charges/{first_id}")).status, 200);
+    assert_eq!(client.get("/v1/accounts/new").status, 404);
+    let shop_while_full = client.balance("shop");
+    let acknowledged: i64 = 1000 + succeeded.iter().map(|(_, a, _)| a).sum::<i64>();
+    assert_eq!(
+        shop_while_full, acknowledged,
+        "only acknowledged charges moved money"
+    );
+    // No refused key is completed without its charge, nor has a charge.
+    {
+        let conn = Connection::open_with_flags(server.db_path(), OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .unwrap();
+        for (key, _) in &refused {
+            let charges: i64 = conn
+                .query_row(
+                    "SELECT count(*) FROM charges WHERE idempotency_key = ?1",
+                    [key],
+                    |r| r.get(0),
+                )
+                .unwrap();
+            assert_eq!(charges, 0, "{key} was refused but has a charge");
+            let completed: i64 = conn
+                .query_row(
+                    "SELECT count(*) FROM idempotency_keys WHERE key = ?1 AND state = 'completed'",
+                    [key],
+                    |r| r.get(0),
+                )
+                .unwrap();
+            assert_eq!(completed, 0, "{key} was refused but is completed");
+        }
+    }
+
+    // Space comes back: the same retries succeed, each exactly once.
+    std::fs::remove_file(filler).unwrap();
+    for (key, amount) in &refused {
+        let r = support::eventually(Duration::from_secs(20), || {
+            let r = client.charge(key, &charge_body(*amount));
+            match r.status {
+                201 => Some(r),
+                409 | 503 => None,
+                _ => panic!("{key}: {} {}", r.status, String::from_utf8_lossy(&r.body)),
+            }
+        });
+        let replay = client.charge(key, &charge_body(*amount));
+        assert_eq!(replay.status, 201);
+        assert!(replay.replayed());
+        assert_eq!(replay.body, r.body, "{key}: the replay is the first answer");
+    }
+    for (key, amount, first) in &succeeded {
+        let replay = client.charge(key, &charge_body(*amount));
+        assert_eq!(replay.body, first.body, "{key}");
+    }
+    let total: i64 = acknowledged + refused.iter().map(|(_, a)| a).sum::<i64>();
+    assert_eq!(
+        client.balance("shop"),
+        total,
+        "every charge moved money once"
+    );
+    let conn =
+        Connection::open_with_flags(server.db_path(), OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let (charges, keys): (i64, i64) = conn
+        .query_row(
+            "SELECT count(*), count(DISTINCT idempotency_key) FROM charges",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(charges, keys, "one charge per key");
+    assert_eq!(charges as usize, 1 + succeeded.len() + refused.len());
+    let db = server.db_path().to_path_buf();
+    drop(conn);
+    server.shutdown();
+    support::assert_verified(&db);
+    drop(fs);
+}
+
+/// The disk fills between the acquirer's authorisation and the ledger phase:
+/// the charge is told 503, its key keeps its recovery point, and once space
+/// returns the retry finishes it with the same authorisation, once.
+#[test]
+fn a_disk_that_fills_mid_charge_leaves_a_resumable_key() {
+    let dir = TempDir::new("disk-full-mid");
+    let Some(fs) = SmallFs::mount(&dir, "6m") else {
+        return;
+    };
+    let mount = fs.0.clone();
+    let filled = Arc::new(std::sync::Mutex::new(None::<PathBuf>));
+    let mut config = idem::Config::new(fs.0.join("idem.db"));
+    config.addr = "127.0.0.1:0".parse().unwrap();
+    config.inflight_timeout = Duration::from_millis(300);
+    config.reaper_interval = Duration::from_secs(3600);
+    let hook_filled = filled.clone();
+    let fired = AtomicBool::new(false);
+    config.hooks.before_ledger_phase = Some(Arc::new(move |_op: &str| {
+        if !fired.swap(true, Ordering::SeqCst) {
+            *hook_filled.lock().unwrap() = Some(fill(&mount));
+        }
+    }));
+    let server = idem::Server::start(config).unwrap();
+    let client = Client::new(server.addr(), server.initial_key().unwrap());
+    client.card_and_shop();
+
+    let r = client.charge("mid", &charge_body(250));
+    assert_unavailable(&r, "charge with the disk filling mid-way");
+    assert_eq!(client.balance("shop"), 0, "no money moved");
+    let conn =
+        Connection::open_with_flags(server.db_path(), OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let (state, point): (String, String) = conn
+        .query_row(
+            "SELECT state, recovery_point FROM idempotency_keys WHERE key = 'mid'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(
+        (state.as_str(), point.as_str()),
+        ("in_progress", "authorized")
+    );
+    let authorization: String = conn
+        .query_row(
+            "SELECT authorization FROM idempotency_keys WHERE key = 'mid'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+
+    std::fs::remove_file(filled.lock().unwrap().take().unwrap()).unwrap();
+    let done = support::eventually(Duration::from_secs(20), || {
+        let r = client.charge("mid", &charge_body(250));
+        match r.status {
+            201 => Some(r),
+            409 | 503 => None,
+            _ => panic!("{} {}", r.status, String::from_utf8_lossy(&r.body)),
+        }
+    });
+    assert_eq!(done.json()["amount"], json!(250));
+    assert_eq!(client.balance("shop"), 250);
+    let (charges, authorized_as): (i64, String) = conn
+        .query_row(
+            "SELECT count(*), max(authorization_id) FROM charges",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(charges, 1);
+    assert_eq!(
+        authorized_as, authorization,
+        "the retry reused the first authorisation"
+    );
+    let db = server.db_path().to_path_buf();
+    drop(conn);
+    server.shutdown();
+    support::assert_verified(&db);
+}
