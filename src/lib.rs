@@ -125,8 +125,18 @@ impl Server {
                 ("unmatched", Answer::Now(api::Problem::Internal.reply()))
             });
             let metrics = Arc::clone(&handler_app.metrics);
+            let method = req.method.clone();
             answer.inspect(move |reply| {
-                metrics.record_request(route, reply.status, started.elapsed().as_secs_f64());
+                let seconds = started.elapsed().as_secs_f64();
+                metrics.record_request(route, reply.status, seconds);
+                // The access log names the route template, never the raw
+                // path, a header or the body: nothing a client sends that
+                // could be a secret reaches the log.
+                log::debug!(
+                    "{method} {route} -> {} in {:.1} ms",
+                    reply.status,
+                    seconds * 1e3
+                );
             })
         });
         let http = match HttpServer::start(config.addr, config.workers, handler) {

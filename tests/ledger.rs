@@ -298,8 +298,8 @@ fn lists_page_newest_first() {
         .starts_with("evt_"));
 }
 
-/// Every route, with another consumer's ids: 404 exactly like ids that do
-/// not exist, and nothing changes for the owner.
+/// Every route, with another consumer's ids and idempotency keys: 404
+/// exactly like ids that do not exist, and nothing changes for the owner.
 #[test]
 fn tenant_isolation_on_every_route() {
     let (server, alice) = server();
@@ -329,13 +329,14 @@ fn tenant_isolation_on_every_route() {
         (
             "POST",
             "/v1/charges".into(),
-            Some(charge_body(5)),
+            Some(charge_body(50)),
             "account-not-found",
         ),
     ];
     for (method, path, body, slug) in cases {
         let r = match body {
-            Some(b) => mallory.post(&path, Some("m"), &b),
+            // Alice's own idempotency key and body: never her stored answer.
+            Some(b) => mallory.post(&path, Some("a"), &b),
             None => mallory.get(&path),
         };
         assert_eq!(
