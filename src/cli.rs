@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::config::{self, parse_duration, Config, FaultPoint, Synchronous, WRITE_QUEUE_LEN_MAX};
+use crate::config::{
+    self, parse_duration, Config, FaultPoint, HttpLimits, Synchronous, WRITE_QUEUE_LEN_MAX,
+};
 use crate::error::{Error, Result};
 use crate::{backup, consumers, store, verify, Server};
 
@@ -93,6 +95,23 @@ struct ServeArgs {
     /// data of a damaged database; the server may then serve wrong balances.
     #[arg(long, env = "IDEM_SKIP_VERIFY")]
     skip_verify: bool,
+    /// A client must send a request's headers within this; it also bounds how long a keep-alive connection waits for the next request.
+    #[arg(long, env = "IDEM_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    header_read_timeout: Duration,
+    /// A declared body must arrive within this once the headers are in (else 400 and close).
+    #[arg(long, env = "IDEM_BODY_READ_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    body_read_timeout: Duration,
+    /// A connection with no request in flight and no byte moving for this long is closed.
+    #[arg(long, env = "IDEM_IDLE_TIMEOUT", default_value = "5s", value_parser = parse_positive_duration)]
+    idle_timeout: Duration,
+    /// Header bytes per request, request line included (more: 431).
+    #[arg(long, env = "IDEM_HEADER_BYTES_MAX", default_value_t = config::HEADER_BYTES_MAX as u32,
+          value_parser = clap::value_parser!(u32).range(config::HEADER_BYTES_MAX_FLOOR as i64..=1 << 20))]
+    header_bytes_max: u32,
+    /// Open connections; the next one is answered 503 and closed.
+    #[arg(long, env = "IDEM_CONNECTIONS_MAX", default_value_t = config::CONNECTIONS_MAX as u32,
+          value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
+    connections_max: u32,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -179,6 +198,13 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
     };
     config.commit_batch_max = usize::from(args.commit_batch_max);
     config.verify_on_start = !args.skip_verify;
+    config.http = HttpLimits {
+        header_read_timeout: args.header_read_timeout,
+        body_read_timeout: args.body_read_timeout,
+        idle_timeout: args.idle_timeout,
+        header_bytes_max: args.header_bytes_max as usize,
+        connections_max: args.connections_max as usize,
+    };
     if let Ok(fault) = std::env::var("IDEM_FAULT") {
         let point = FaultPoint::parse(&fault)
             .ok_or_else(|| Error::Usage(format!("IDEM_FAULT: unknown fault point '{fault}'")))?;

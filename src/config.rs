@@ -62,10 +62,37 @@ pub const REAPER_DELETE_BATCH_LEN: usize = 500;
 pub const RETRY_AFTER_IN_USE_SECONDS: u32 = 1;
 /// Seconds a 503 asks the client to wait (`Retry-After`).
 pub const RETRY_AFTER_UNAVAILABLE_SECONDS: u32 = 1;
-/// HTTP engine limits (see `http/server.rs`).
+/// HTTP engine limits (see `http/server.rs`); the defaults of [`HttpLimits`],
+/// each also a `serve` flag.
+///
+/// A client must send a request's headers within this (slowloris). hyper
+/// starts the timer when the connection is ready for a request — on accept
+/// and again once the previous response is written — so it also bounds how
+/// long a keep-alive connection may sit idle.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// A declared body must arrive within this once the headers are in;
+/// otherwise 400 and the connection is closed, so a client that declares
+/// more bytes than it sends cannot hold a connection task forever.
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection with no request in flight and no byte moving either way for
+/// this long is closed: an idle keep-alive connection, a half-sent header
+/// that stalled, a client that stopped reading its response. Shorter than
+/// `HEADER_READ_TIMEOUT` so that idle connections go first; a busy client
+/// reuses its connection well within it.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Header bytes per request, request line included; more is 431. 16 KiB
+/// holds any real client's headers (a bearer key and an idempotency key are
+/// well under 300 bytes) and bounds what one connection can make us buffer.
 pub const HEADER_BYTES_MAX: usize = 16 * 1024;
+/// hyper's read buffer is at least this big, so it is the smallest
+/// `HEADER_BYTES_MAX` that means what it says.
+pub const HEADER_BYTES_MAX_FLOOR: usize = 8 * 1024;
+const _: () = assert!(HEADER_BYTES_MAX >= HEADER_BYTES_MAX_FLOOR);
+/// Open connections; the next one is answered 503 and closed at once. Each
+/// costs a task, a file descriptor and a read buffer of up to
+/// `HEADER_BYTES_MAX`, so 1024 of them stay within ~20 MiB. The process's
+/// descriptor limit should leave room above this for the database files;
+/// when it does not, `accept` fails, is logged and retried, never fatal.
 pub const CONNECTIONS_MAX: usize = 1024;
 /// How long shutdown waits for in-flight requests before closing anyway.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
@@ -121,6 +148,8 @@ impl FaultPoint {
 
 /// A hook: called with an operation id.
 pub type OperationHook = std::sync::Arc<dyn Fn(&str) + Send + Sync>;
+/// A hook: called with a request's method and path.
+pub type RequestHook = std::sync::Arc<dyn Fn(&str, &str) + Send + Sync>;
 
 /// Code a test runs at chosen points of an operation (embedding API only;
 /// the CLI sets none), to stall an owner exactly where a race would hurt.
@@ -129,13 +158,67 @@ pub struct Hooks {
     /// Runs on the operation's thread just before a charge's ledger phase,
     /// with its operation id.
     pub before_ledger_phase: Option<OperationHook>,
+    /// Runs on the HTTP worker, inside the handler, before routing, with the
+    /// request's method and path (tests/hostile.rs panics here).
+    pub before_handler: Option<RequestHook>,
 }
 
 impl std::fmt::Debug for Hooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Hooks")
             .field("before_ledger_phase", &self.before_ledger_phase.is_some())
+            .field("before_handler", &self.before_handler.is_some())
             .finish()
+    }
+}
+
+/// The HTTP engine's limits against slow, idle, oversized and too many
+/// connections. Defaults are the named constants above; every field must be
+/// above zero ([`HttpLimits::validate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpLimits {
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub header_bytes_max: usize,
+    pub connections_max: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> HttpLimits {
+        HttpLimits {
+            header_read_timeout: HEADER_READ_TIMEOUT,
+            body_read_timeout: BODY_READ_TIMEOUT,
+            idle_timeout: IDLE_TIMEOUT,
+            header_bytes_max: HEADER_BYTES_MAX,
+            connections_max: CONNECTIONS_MAX,
+        }
+    }
+}
+
+impl HttpLimits {
+    /// A zero timeout would close every connection, a zero cap refuse them
+    /// all; fewer header bytes than hyper's buffer floor would not be enforced.
+    pub fn validate(&self) -> Result<(), String> {
+        let timeouts = [
+            ("header read timeout", self.header_read_timeout),
+            ("body read timeout", self.body_read_timeout),
+            ("idle timeout", self.idle_timeout),
+        ];
+        for (name, d) in timeouts {
+            if d.is_zero() {
+                return Err(format!("{name} must be longer than 0ms"));
+            }
+        }
+        if self.header_bytes_max < HEADER_BYTES_MAX_FLOOR {
+            return Err(format!(
+                "header bytes max must be at least {HEADER_BYTES_MAX_FLOOR}"
+            ));
+        }
+        if self.connections_max == 0 {
+            return Err("connections max must be at least 1".into());
+        }
+        Ok(())
     }
 }
 
@@ -151,6 +234,8 @@ pub struct Config {
     pub acquirer_latency: Duration,
     pub synchronous: Synchronous,
     pub commit_batch_max: usize,
+    /// The HTTP engine's limits (timeouts, header bytes, connection cap).
+    pub http: HttpLimits,
     pub fault: Option<FaultPoint>,
     pub hooks: Hooks,
     /// Run `idem verify`'s checks before serving and refuse a database that
@@ -170,6 +255,7 @@ impl Config {
             acquirer_latency: Duration::ZERO,
             synchronous: Synchronous::Full,
             commit_batch_max: COMMIT_BATCH_MAX_DEFAULT,
+            http: HttpLimits::default(),
             fault: None,
             hooks: Hooks::default(),
             verify_on_start: true,

@@ -99,6 +99,7 @@ impl Server {
     /// inject a slow or failing third party).
     pub fn start_with_acquirer(config: Config, acquirer: Arc<dyn Acquirer>) -> Result<Server> {
         refuse_memory(&config)?;
+        config.http.validate().map_err(Error::Config)?;
         let lock = ProcessLock::acquire(&config.db)?;
         let conn = store::open_rw(&config.db, config.synchronous)?;
         if config.verify_on_start {
@@ -117,6 +118,9 @@ impl Server {
         let handler: Handler = Arc::new(move |req| {
             let started = Instant::now();
             let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                if let Some(hook) = &handler_app.config.hooks.before_handler {
+                    hook(&req.method, &req.path);
+                }
                 http::router::handle(&handler_app, req)
             }));
             // A panic is answered 500 by the worker; count it here.
@@ -139,13 +143,15 @@ impl Server {
                 );
             })
         });
-        let http = match HttpServer::start(config.addr, config.workers, handler) {
-            Ok(http) => http,
-            Err(e) => {
-                app.stop();
-                return Err(e);
-            }
-        };
+        let metrics = Arc::clone(&app.metrics);
+        let http =
+            match HttpServer::start(config.addr, config.workers, config.http, handler, metrics) {
+                Ok(http) => http,
+                Err(e) => {
+                    app.stop();
+                    return Err(e);
+                }
+            };
         let url = format!("http://{}", http.addr());
         let reaper = Reaper::start(Arc::clone(&app));
         Ok(Server {

@@ -110,6 +110,30 @@ mod tests {
         })
     }
 
+    /// A panicking task costs its reply (dropped, so its waiter sees the
+    /// sender gone), never its thread: after more panics than threads the
+    /// pool still runs tasks.
+    #[test]
+    fn threads_survive_panicking_tasks() {
+        let pool = Pool::start("test", 2, 16);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        for _ in 0..6 {
+            let boom: Task = Box::new(|_| panic!("test: a bug in a task"));
+            assert!(pool.submit(boom, deliver_to(tx.clone())).is_ok());
+        }
+        for status in [200, 201, 202] {
+            let fine: Task = Box::new(move |d| d(Reply::raw(status, "text/plain", vec![])));
+            assert!(pool.submit(fine, deliver_to(tx.clone())).is_ok());
+        }
+        let mut got: Vec<u16> = (0..3)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).expect("a reply"))
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, vec![200, 201, 202]);
+        pool.stop();
+        assert!(rx.try_recv().is_err(), "a panicked task delivered nothing");
+    }
+
     #[test]
     fn a_full_queue_hands_deliver_back_and_stop_answers_leftovers() {
         let pool = Pool::start("test", 1, 1);

@@ -7,12 +7,31 @@
 //! thread), frames strictly, bounds header bytes and times out slow headers.
 //! It only moves bytes: each complete request is handed to a pool of
 //! synchronous worker threads, which run the handler and send the reply back.
+//!
+//! What a hostile or broken client can do, and what bounds it (the limits are
+//! [`HttpLimits`]): send headers slowly or not at all (hyper's header read
+//! timeout, which also runs between keep-alive requests, and our idle
+//! timeout: no byte either way and no request in flight); declare a body it
+//! never sends (the body read timeout, then 400 and close); send huge or
+//! too many headers (hyper's buffer cap and header count, 431 and close);
+//! frame a body ambiguously (hyper answers 400 and closes, or lets
+//! `Transfer-Encoding: chunked` win over `Content-Length` and closes after
+//! the response, so a body is never read as a second request); open more
+//! connections than the cap (503 and close at once) or than the process has
+//! descriptors (`accept` fails, is logged and retried); make a handler panic
+//! (500, and the worker thread survives: every job runs under
+//! `catch_unwind`).
 
 use std::convert::Infallible;
+use std::io;
 use std::net::SocketAddr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 use http_body_util::{BodyExt, Full, Limited};
@@ -22,20 +41,33 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
 use tokio::sync::{oneshot, watch, Semaphore};
+use tokio::time::Instant;
 
+use super::router::match_route;
 use super::Request;
 use crate::api::{Answer, Problem, Reply};
 use crate::config::{
-    BODY_READ_TIMEOUT, BODY_SIZE_MAX_BYTES, CONNECTIONS_MAX, HEADER_BYTES_MAX, HEADER_READ_TIMEOUT,
-    SHUTDOWN_GRACE, WORKER_QUEUE_LEN_PER_WORKER,
+    HttpLimits, BODY_SIZE_MAX_BYTES, HEADER_BYTES_MAX_FLOOR, SHUTDOWN_GRACE,
+    WORKER_QUEUE_LEN_PER_WORKER,
 };
 use crate::error::{Error, Result};
+use crate::metrics::Metrics;
 
 /// What the workers run for each request. An `Answer::Later` is started on
 /// the worker (it must not block) and delivers its reply from elsewhere; the
 /// connection task awaits it without holding a worker.
 pub type Handler = Arc<dyn Fn(&Request) -> Answer + Send + Sync>;
+
+/// How long the accept loop waits after a failed `accept` (EMFILE: out of
+/// file descriptors) before trying again; the pending connection stays in
+/// the kernel's backlog meanwhile.
+const ACCEPT_RETRY_DELAY: Duration = Duration::from_millis(50);
+/// At most one "accept failed" warning per this period, however long the
+/// descriptors stay exhausted.
+const ACCEPT_WARN_PERIOD: Duration = Duration::from_secs(1);
 
 struct Job {
     request: Request,
@@ -52,10 +84,27 @@ pub struct HttpServer {
     workers: Vec<JoinHandle<()>>,
 }
 
+/// What every connection task shares: the worker queue, the limits, and the
+/// metrics, where the answers the engine gives itself are counted.
+#[derive(Clone)]
+struct Shared {
+    jobs: Sender<Job>,
+    limits: HttpLimits,
+    metrics: Arc<Metrics>,
+}
+
 impl HttpServer {
     /// Binds `addr` (port 0 picks one) and starts serving with `workers`
-    /// worker threads. Returns once the listener accepts connections.
-    pub fn start(addr: SocketAddr, workers: usize, handler: Handler) -> Result<HttpServer> {
+    /// worker threads within `limits`. Returns once the listener accepts
+    /// connections.
+    pub fn start(
+        addr: SocketAddr,
+        workers: usize,
+        limits: HttpLimits,
+        handler: Handler,
+        metrics: Arc<Metrics>,
+    ) -> Result<HttpServer> {
+        limits.validate().map_err(Error::Config)?;
         let listener = std::net::TcpListener::bind(addr)
             .map_err(|e| Error::Config(format!("cannot listen on {addr}: {e}")))?;
         listener.set_nonblocking(true)?;
@@ -81,7 +130,12 @@ impl HttpServer {
             let _guard = runtime.enter();
             tokio::net::TcpListener::from_std(listener)?
         };
-        let accept = runtime.spawn(accept_loop(listener, jobs.clone(), stopped));
+        let shared = Shared {
+            jobs: jobs.clone(),
+            limits,
+            metrics,
+        };
+        let accept = runtime.spawn(accept_loop(listener, shared, stopped));
         Ok(HttpServer {
             addr,
             runtime: Some(runtime),
@@ -120,42 +174,48 @@ impl Drop for HttpServer {
     }
 }
 
+/// A worker: runs jobs until the queue closes. Everything a job does —
+/// the handler and starting its deferred work — runs under `catch_unwind`,
+/// so a panic costs that request a 500 (its reply sender is dropped, and the
+/// connection answers 500), never the thread: the pool keeps its size
+/// however many handlers panic.
 fn work(queue: &Receiver<Job>, handler: &Handler) {
     while let Ok(job) = queue.recv() {
-        let answer =
-            catch_unwind(AssertUnwindSafe(|| handler(&job.request))).unwrap_or_else(|_| {
-                log::error!(
-                    "handler panicked on {} {}",
-                    job.request.method,
-                    job.request.path
-                );
-                Answer::Now(Problem::Internal.reply())
-            });
-        let tx = job.reply;
-        match answer {
-            Answer::Now(reply) => {
-                let _ = tx.send(reply);
-            }
-            Answer::Later(start) => start(Box::new(move |reply| {
-                let _ = tx.send(reply);
-            })),
+        let (method, path) = (job.request.method.clone(), job.request.path.clone());
+        if catch_unwind(AssertUnwindSafe(|| run_job(job, handler))).is_err() {
+            log::error!("handler panicked on {method} {path}");
         }
+    }
+}
+
+fn run_job(job: Job, handler: &Handler) {
+    let tx = job.reply;
+    match handler(&job.request) {
+        Answer::Now(reply) => {
+            let _ = tx.send(reply);
+        }
+        Answer::Later(start) => start(Box::new(move |reply| {
+            let _ = tx.send(reply);
+        })),
     }
 }
 
 async fn accept_loop(
     listener: tokio::net::TcpListener,
-    jobs: Sender<Job>,
+    shared: Shared,
     mut stopped: watch::Receiver<bool>,
 ) {
     let graceful = GracefulShutdown::new();
-    let connections = Arc::new(Semaphore::new(CONNECTIONS_MAX));
+    let limits = shared.limits;
+    let connections = Arc::new(Semaphore::new(limits.connections_max));
+    let refusal = refusal_bytes();
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
-        .max_buf_size(HEADER_BYTES_MAX)
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.header_bytes_max.max(HEADER_BYTES_MAX_FLOOR))
         .keep_alive(true);
+    let mut accept_warned: Option<Instant> = None;
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -163,23 +223,40 @@ async fn accept_loop(
                     Ok((stream, _)) => stream,
                     Err(e) => {
                         // EMFILE and friends: back off and keep accepting.
-                        log::warn!("accept failed: {e}");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        let now = Instant::now();
+                        if accept_warned.is_none_or(|t| now - t >= ACCEPT_WARN_PERIOD) {
+                            log::warn!("accept failed (retrying every {ACCEPT_RETRY_DELAY:?}): {e}");
+                            accept_warned = Some(now);
+                        }
+                        tokio::time::sleep(ACCEPT_RETRY_DELAY).await;
                         continue;
                     }
                 };
                 let Ok(permit) = Arc::clone(&connections).try_acquire_owned() else {
-                    log::warn!("connection cap of {CONNECTIONS_MAX} reached; refusing");
-                    drop(stream);
+                    refuse(stream, &refusal, &shared.metrics);
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let jobs = jobs.clone();
-                let service = service_fn(move |req| serve(req, jobs.clone()));
-                let conn = builder.serve_connection(TokioIo::new(stream), service);
-                let conn = graceful.watch(conn);
+                let activity = Arc::new(Activity::new());
+                let service = {
+                    let (shared, activity) = (shared.clone(), Arc::clone(&activity));
+                    service_fn(move |req| {
+                        let busy = Busy::enter(Arc::clone(&activity));
+                        let reply = serve(req, shared.clone());
+                        async move {
+                            let reply = reply.await;
+                            drop(busy);
+                            reply
+                        }
+                    })
+                };
+                let io = TokioIo::new(Tracked { inner: stream, activity: Arc::clone(&activity) });
+                let conn = graceful.watch(builder.serve_connection(io, service));
+                let metrics = Arc::clone(&shared.metrics);
                 tokio::spawn(async move {
-                    let _ = conn.await;
+                    if let Some(Err(e)) = close_when_idle(conn, &activity, limits.idle_timeout).await {
+                        note_engine_error(&e, &metrics);
+                    }
                     drop(permit);
                 });
             }
@@ -193,11 +270,197 @@ async fn accept_loop(
     }
 }
 
+/// Drives `conn` to its end, or drops it (closing the socket) once it has
+/// had no request in flight and no byte moving either way for `idle`.
+/// `None`: closed as idle.
+async fn close_when_idle<F: std::future::Future>(
+    conn: F,
+    activity: &Activity,
+    idle: Duration,
+) -> Option<F::Output> {
+    let mut conn = std::pin::pin!(conn);
+    let mut deadline = activity.last() + idle;
+    loop {
+        tokio::select! {
+            done = &mut conn => return Some(done),
+            _ = tokio::time::sleep_until(deadline) => {
+                let now = Instant::now();
+                if activity.in_service() {
+                    // A request is being read or answered: its own
+                    // timeouts (body read, the handler's) apply, not this one.
+                    deadline = now + idle;
+                } else if activity.last() + idle <= now {
+                    log::debug!("closing a connection idle for {idle:?}");
+                    return None;
+                } else {
+                    deadline = activity.last() + idle;
+                }
+            }
+        }
+    }
+}
+
+/// Counts the answers hyper gives by itself to a request it could not parse
+/// (400, 431), which never reach `serve`.
+fn note_engine_error(e: &hyper::Error, metrics: &Metrics) {
+    let status = if e.is_parse_too_large() {
+        431
+    } else if e.is_parse() && !e.is_parse_version_h2() {
+        400
+    } else {
+        log::debug!("connection ended: {e}");
+        return;
+    };
+    log::debug!("rejected a request: {e}");
+    metrics.record_request("unmatched", status, 0.0);
+}
+
+/// Over the connection cap: a best-effort 503 (the client may not have sent
+/// its request yet; nothing waits for it to), then close.
+fn refuse(stream: TcpStream, refusal: &[u8], metrics: &Metrics) {
+    log::warn!("connection cap reached; refusing a connection");
+    let _ = stream.try_write(refusal);
+    metrics.record_request("unmatched", 503, 0.0);
+    drop(stream);
+}
+
+/// The raw bytes of the 503 for a connection over the cap.
+fn refusal_bytes() -> Vec<u8> {
+    let reply = Problem::TemporarilyUnavailable("too many open connections".into()).reply();
+    let mut head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: {}\r\ncontent-length: {}\r\nconnection: close\r\n",
+        reply.content_type,
+        reply.body.len()
+    );
+    for (name, value) in &reply.headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut bytes = head.into_bytes();
+    bytes.extend_from_slice(&reply.body);
+    bytes
+}
+
+/// When a connection last moved a byte (milliseconds since it opened), and
+/// how many of its requests are in the service: what the idle timer reads.
+struct Activity {
+    opened: Instant,
+    last_ms: AtomicU64,
+    in_service: AtomicUsize,
+}
+
+impl Activity {
+    fn new() -> Activity {
+        Activity {
+            opened: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            in_service: AtomicUsize::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = self.opened.elapsed().as_millis() as u64;
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Instant {
+        self.opened + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
+    }
+
+    fn in_service(&self) -> bool {
+        self.in_service.load(Ordering::Relaxed) > 0
+    }
+}
+
+/// A request in the service, from its parsed head to its reply.
+struct Busy(Arc<Activity>);
+
+impl Busy {
+    fn enter(activity: Arc<Activity>) -> Busy {
+        activity.in_service.fetch_add(1, Ordering::Relaxed);
+        activity.touch();
+        Busy(activity)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.touch();
+        self.0.in_service.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The socket, noting every byte that moves.
+struct Tracked {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.activity.touch();
+        }
+        polled
+    }
+}
+
+impl Tracked {
+    fn wrote(&self, polled: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.wrote(polled)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.wrote(polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
 /// Reads one request fully (bounded), hands it to a worker, awaits the reply.
 async fn serve(
     req: hyper::Request<Incoming>,
-    jobs: Sender<Job>,
+    shared: Shared,
 ) -> std::result::Result<hyper::Response<Full<Bytes>>, Infallible> {
+    let started = std::time::Instant::now();
     let (parts, body) = req.into_parts();
     let declared: Option<u64> = parts
         .headers
@@ -216,11 +479,19 @@ async fn serve(
         body: Vec::new(),
         body_too_large: false,
     };
+    // The answers the engine gives itself are counted like the handler's.
+    let engine_reply = |reply: Reply, path: &str| {
+        let route = match_route(path).map_or("unmatched", |r| r.template());
+        let seconds = started.elapsed().as_secs_f64();
+        shared.metrics.record_request(route, reply.status, seconds);
+        Ok(to_hyper(reply))
+    };
     if declared.is_some_and(|n| n > BODY_SIZE_MAX_BYTES as u64) {
         request.body_too_large = true;
     } else {
         let limited = Limited::new(body, BODY_SIZE_MAX_BYTES);
-        match tokio::time::timeout(BODY_READ_TIMEOUT, limited.collect()).await {
+        let timeout = shared.limits.body_read_timeout;
+        match tokio::time::timeout(timeout, limited.collect()).await {
             Ok(Ok(collected)) => request.body = collected.to_bytes().to_vec(),
             Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
                 request.body_too_large = true
@@ -229,17 +500,21 @@ async fn serve(
                 let mut reply =
                     Problem::InvalidRequest("the body could not be read".into()).reply();
                 reply.close = true;
-                return Ok(to_hyper(reply));
+                return engine_reply(reply, &request.path);
             }
         }
     }
     let unread_body = request.body_too_large;
+    let path = request.path.clone();
     let (tx, rx) = oneshot::channel();
-    let reply = match jobs.try_send(Job { request, reply: tx }) {
+    let mut reply = match shared.jobs.try_send(Job { request, reply: tx }) {
+        // A handler that panicked dropped `tx`; it counted its own 500.
         Ok(()) => rx.await.unwrap_or_else(|_| Problem::Internal.reply()),
-        Err(_) => Problem::TemporarilyUnavailable("all workers are busy".into()).reply(),
+        Err(_) => {
+            let reply = Problem::TemporarilyUnavailable("all workers are busy".into()).reply();
+            return engine_reply(reply, &path);
+        }
     };
-    let mut reply = reply;
     reply.close |= unread_body;
     Ok(to_hyper(reply))
 }
@@ -261,4 +536,61 @@ fn to_hyper(reply: Reply) -> hyper::Response<Full<Bytes>> {
         headers.insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    fn get(addr: SocketAddr, path: &str) -> String {
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let head = format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n");
+        stream.write_all(head.as_bytes()).unwrap();
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw).unwrap();
+        raw
+    }
+
+    /// A handler that panics (nothing above it catches) on the only worker,
+    /// again and again: each request is answered 500 problem+json, and the
+    /// worker is still there for the next request.
+    #[test]
+    fn a_worker_survives_handlers_that_panic() {
+        let handler: Handler = Arc::new(|req: &Request| {
+            if req.path == "/boom" {
+                panic!("test: a bug in the handler");
+            }
+            Answer::Now(Reply::raw(200, "text/plain", b"fine".to_vec()))
+        });
+        let addr = "127.0.0.1:0".parse().unwrap();
+        let metrics = Arc::new(Metrics::default());
+        let server = HttpServer::start(addr, 1, HttpLimits::default(), handler, metrics).unwrap();
+        for _ in 0..3 {
+            let raw = get(server.addr(), "/boom");
+            assert!(raw.starts_with("HTTP/1.1 500"), "{raw}");
+            assert!(raw.contains("application/problem+json"), "{raw}");
+            assert!(raw.contains("urn:idem:problem:internal-error"), "{raw}");
+        }
+        let raw = get(server.addr(), "/fine");
+        assert!(
+            raw.starts_with("HTTP/1.1 200") && raw.ends_with("fine"),
+            "{raw}"
+        );
+    }
+
+    #[test]
+    fn limits_of_zero_are_refused() {
+        let handler: Handler = Arc::new(|_: &Request| Answer::Now(Problem::NotFound.reply()));
+        let limits = HttpLimits {
+            connections_max: 0,
+            ..HttpLimits::default()
+        };
+        let addr = "127.0.0.1:0".parse().unwrap();
+        let started = HttpServer::start(addr, 1, limits, handler, Arc::default());
+        assert!(started.is_err());
+    }
 }
