@@ -65,9 +65,10 @@ pub type Handler = Arc<dyn Fn(&Request) -> Answer + Send + Sync>;
 /// file descriptors) before trying again; the pending connection stays in
 /// the kernel's backlog meanwhile.
 const ACCEPT_RETRY_DELAY: Duration = Duration::from_millis(50);
-/// At most one "accept failed" warning per this period, however long the
-/// descriptors stay exhausted.
-const ACCEPT_WARN_PERIOD: Duration = Duration::from_secs(1);
+/// At most one warning of a kind ("accept failed", "connection refused")
+/// per this period, however long the descriptors stay exhausted or the
+/// flood lasts.
+const WARN_PERIOD: Duration = Duration::from_secs(1);
 
 struct Job {
     request: Request,
@@ -215,7 +216,7 @@ async fn accept_loop(
         .header_read_timeout(limits.header_read_timeout)
         .max_buf_size(limits.header_bytes_max.max(HEADER_BYTES_MAX_FLOOR))
         .keep_alive(true);
-    let mut accept_warned: Option<Instant> = None;
+    let (mut accept_failed, mut refused) = (Throttle::default(), Throttle::default());
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -223,16 +224,18 @@ async fn accept_loop(
                     Ok((stream, _)) => stream,
                     Err(e) => {
                         // EMFILE and friends: back off and keep accepting.
-                        let now = Instant::now();
-                        if accept_warned.is_none_or(|t| now - t >= ACCEPT_WARN_PERIOD) {
-                            log::warn!("accept failed (retrying every {ACCEPT_RETRY_DELAY:?}): {e}");
-                            accept_warned = Some(now);
+                        if let Some(more) = accept_failed.due() {
+                            log::warn!("accept failed{more} (retrying every {ACCEPT_RETRY_DELAY:?}): {e}");
                         }
                         tokio::time::sleep(ACCEPT_RETRY_DELAY).await;
                         continue;
                     }
                 };
                 let Ok(permit) = Arc::clone(&connections).try_acquire_owned() else {
+                    if let Some(more) = refused.due() {
+                        let cap = limits.connections_max;
+                        log::warn!("connection cap of {cap} reached; refusing a connection{more}");
+                    }
                     refuse(stream, &refusal, &shared.metrics);
                     continue;
                 };
@@ -315,10 +318,34 @@ fn note_engine_error(e: &hyper::Error, metrics: &Metrics) {
     metrics.record_request("unmatched", status, 0.0);
 }
 
+/// Rate-limits a repeated warning to one per `WARN_PERIOD`.
+#[derive(Default)]
+struct Throttle {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Throttle {
+    /// `Some(note)` if the warning is due now; the note counts the ones
+    /// suppressed since the last.
+    fn due(&mut self) -> Option<String> {
+        let now = Instant::now();
+        if self.last.is_some_and(|t| now - t < WARN_PERIOD) {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(now);
+        let note = match std::mem::take(&mut self.suppressed) {
+            0 => String::new(),
+            n => format!(" ({n} more since the last warning)"),
+        };
+        Some(note)
+    }
+}
+
 /// Over the connection cap: a best-effort 503 (the client may not have sent
 /// its request yet; nothing waits for it to), then close.
 fn refuse(stream: TcpStream, refusal: &[u8], metrics: &Metrics) {
-    log::warn!("connection cap reached; refusing a connection");
     let _ = stream.try_write(refusal);
     metrics.record_request("unmatched", 503, 0.0);
     drop(stream);
