@@ -161,6 +161,21 @@ fn metric(addr: SocketAddr, line_prefix: &str) -> u64 {
         .map_or(0, |n| n.trim().parse().expect("a counter"))
 }
 
+/// Waits until the metric reaches `want`: a connection task counts hyper's
+/// own answers when the connection ends, a moment after the client sees it
+/// closed.
+fn assert_metric(addr: SocketAddr, line_prefix: &str, want: u64, why: &str) {
+    let mut got = 0;
+    let reached = (0..40).any(|_| {
+        got = metric(addr, line_prefix);
+        got == want || {
+            std::thread::sleep(Duration::from_millis(50));
+            false
+        }
+    });
+    assert!(reached, "{why}: {line_prefix} is {got}, not {want}");
+}
+
 // ---------------------------------------------------------------------------
 // Slow and idle connections
 
@@ -327,13 +342,11 @@ fn a_body_shorter_than_its_content_length_is_400_after_the_body_timeout() {
     let ok = client.charge("stalled", &charge_body(7));
     assert_eq!(ok.status, 201, "the key of the stalled request is free");
     assert!(!ok.replayed());
-    assert_eq!(
-        metric(
-            server.addr(),
-            "idem_http_requests_total{route=\"/v1/charges\",status=\"400\"}"
-        ),
+    assert_metric(
+        server.addr(),
+        "idem_http_requests_total{route=\"/v1/charges\",status=\"400\"}",
         STALLED as u64,
-        "the engine's 400s are counted"
+        "the engine's 400s are counted",
     );
 }
 
@@ -387,6 +400,12 @@ fn oversized_or_too_many_headers_are_431_and_closed() {
         "cut off by a close, not stalled: {cut} after {sent} bytes"
     );
     assert_served_promptly(server.addr(), "after oversized headers");
+    assert_metric(
+        server.addr(),
+        "idem_http_requests_total{route=\"unmatched\",status=\"431\"}",
+        4,
+        "hyper's own 431s are counted",
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -449,6 +468,12 @@ fn ambiguous_framing_is_400_and_close_and_never_a_second_request() {
         let r = client.get(&format!("/v1/accounts/smuggled-{i}"));
         assert_eq!(r.status, 404, "case {i}: the smuggled request ran");
     }
+    assert_metric(
+        server.addr(),
+        "idem_http_requests_total{route=\"unmatched\",status=\"400\"}",
+        cases.len() as u64,
+        "hyper's own 400s are counted",
+    );
     assert_served_promptly(server.addr(), "after the smuggling attempts");
 }
 

@@ -346,8 +346,8 @@ impl Throttle {
 /// Over the connection cap: a best-effort 503 (the client may not have sent
 /// its request yet; nothing waits for it to), then close.
 fn refuse(stream: TcpStream, refusal: &[u8], metrics: &Metrics) {
-    let _ = stream.try_write(refusal);
     metrics.record_request("unmatched", 503, 0.0);
+    let _ = stream.try_write(refusal);
     drop(stream);
 }
 
