@@ -182,16 +182,15 @@ impl Drop for HttpServer {
 /// however many handlers panic.
 fn work(queue: &Receiver<Job>, handler: &Handler) {
     while let Ok(job) = queue.recv() {
-        let (method, path) = (job.request.method.clone(), job.request.path.clone());
-        if catch_unwind(AssertUnwindSafe(|| run_job(job, handler))).is_err() {
-            log::error!("handler panicked on {method} {path}");
+        let Job { request, reply } = job;
+        if catch_unwind(AssertUnwindSafe(|| run_job(&request, reply, handler))).is_err() {
+            log::error!("handler panicked on {} {}", request.method, request.path);
         }
     }
 }
 
-fn run_job(job: Job, handler: &Handler) {
-    let tx = job.reply;
-    match handler(&job.request) {
+fn run_job(request: &Request, tx: oneshot::Sender<Reply>, handler: &Handler) {
+    match handler(request) {
         Answer::Now(reply) => {
             let _ = tx.send(reply);
         }
@@ -289,8 +288,9 @@ async fn close_when_idle<F: std::future::Future>(
             _ = tokio::time::sleep_until(deadline) => {
                 let now = Instant::now();
                 if activity.in_service() {
-                    // A request is being read or answered: its own
-                    // timeouts (body read, the handler's) apply, not this one.
+                    // A request is in the service: its body read has its
+                    // own timeout, and its answer comes when it comes (a
+                    // charge may wait seconds for the acquirer).
                     deadline = now + idle;
                 } else if activity.last() + idle <= now {
                     log::debug!("closing a connection idle for {idle:?}");
