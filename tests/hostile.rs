@@ -971,3 +971,35 @@ fn engine_limit_flags_refuse_zero() {
     let embedded = idem::Server::start_temporary(|c| c.http = zero);
     assert!(embedded.is_err(), "the embedding API refuses it too");
 }
+
+/// The `serve` flags default to the named constants (the flags spell their
+/// defaults as text, so this catches one changed without the other).
+#[test]
+fn engine_limit_flags_default_to_the_named_constants() {
+    use idem::config::{
+        BODY_READ_TIMEOUT, CONNECTIONS_MAX, HEADER_BYTES_MAX, HEADER_READ_TIMEOUT, IDLE_TIMEOUT,
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["serve", "--help"])
+        .output()
+        .expect("run idem serve --help");
+    let help = String::from_utf8(out.stdout).unwrap();
+    let seconds = |d: Duration| format!("{}s", d.as_secs());
+    let cases = [
+        ("--header-read-timeout", seconds(HEADER_READ_TIMEOUT)),
+        ("--body-read-timeout", seconds(BODY_READ_TIMEOUT)),
+        ("--idle-timeout", seconds(IDLE_TIMEOUT)),
+        ("--header-bytes-max", HEADER_BYTES_MAX.to_string()),
+        ("--connections-max", CONNECTIONS_MAX.to_string()),
+    ];
+    for (flag, default) in cases {
+        let after = &help[help
+            .find(flag)
+            .unwrap_or_else(|| panic!("{flag} in --help"))..];
+        let entry = &after[..after[2..].find("\n      --").map_or(after.len(), |i| i + 2)];
+        assert!(
+            entry.contains(&format!("[default: {default}]")),
+            "{flag} defaults to {default}: {entry}"
+        );
+    }
+}
