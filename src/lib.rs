@@ -125,7 +125,9 @@ impl Server {
             }));
             // A panic is answered 500 by the worker; count it here.
             let (route, answer) = handled.unwrap_or_else(|_| {
-                log::error!("handler panicked on {} {}", req.method, req.path);
+                let route =
+                    http::router::match_route(&req.path).map_or("unmatched", |r| r.template());
+                log::error!("handler panicked on {} {route}", req.method);
                 ("unmatched", Answer::Now(api::Problem::Internal.reply()))
             });
             let metrics = Arc::clone(&handler_app.metrics);

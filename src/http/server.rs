@@ -184,7 +184,10 @@ fn work(queue: &Receiver<Job>, handler: &Handler) {
     while let Ok(job) = queue.recv() {
         let Job { request, reply } = job;
         if catch_unwind(AssertUnwindSafe(|| run_job(&request, reply, handler))).is_err() {
-            log::error!("handler panicked on {} {}", request.method, request.path);
+            // The route template, never the raw path: logs hold nothing a
+            // client sent.
+            let route = match_route(&request.path).map_or("unmatched", |r| r.template());
+            log::error!("handler panicked on {} {route}", request.method);
         }
     }
 }
