@@ -139,13 +139,16 @@ mod tests {
         let pool = Pool::start("test", 1, 1);
         let (gate_tx, gate_rx) = crossbeam_channel::bounded::<()>(0);
         let (tx, rx) = crossbeam_channel::unbounded();
-        // Occupy the only thread, then fill the one queue slot.
+        // Occupy the only thread (known to have started, not guessed with a
+        // sleep), then fill the one queue slot.
+        let (started_tx, started_rx) = crossbeam_channel::bounded::<()>(1);
         let blocker: Task = Box::new(move |d| {
+            let _ = started_tx.send(());
             let _ = gate_rx.recv();
             d(Reply::raw(200, "text/plain", vec![]));
         });
         assert!(pool.submit(blocker, deliver_to(tx.clone())).is_ok());
-        std::thread::sleep(Duration::from_millis(50));
+        started_rx.recv().expect("the blocker started");
         let queued: Task = Box::new(|d| d(Reply::raw(201, "text/plain", vec![])));
         assert!(pool.submit(queued, deliver_to(tx.clone())).is_ok());
         let refused: Task = Box::new(|d| d(Reply::raw(202, "text/plain", vec![])));
