@@ -10,6 +10,10 @@ use crate::idempotency::StoredResponse;
 pub const JSON: &str = "application/json";
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
+/// The OpenAPI 3.1 document of this API, served at `GET /openapi.json`
+/// byte for byte as the repository keeps it (`openapi.json`).
+pub const OPENAPI_DOCUMENT: &str = include_str!("../openapi.json");
+
 /// A response, independent of the HTTP engine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reply {

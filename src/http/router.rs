@@ -6,7 +6,7 @@
 use serde_json::Value;
 
 use super::Request;
-use crate::api::{Answer, Problem, Reply};
+use crate::api::{Answer, Problem, Reply, JSON, OPENAPI_DOCUMENT};
 use crate::app::App;
 use crate::config::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 use crate::idempotency::{IdempotencyKey, KeyError, Mode};
@@ -17,6 +17,7 @@ use crate::model::{parse_object, AccountRequest, ChargeRequest, FieldError, Page
 pub enum Route<'a> {
     Healthz,
     Metrics,
+    OpenApi,
     Accounts,
     Account(&'a str),
     AccountEntries(&'a str),
@@ -31,6 +32,7 @@ impl Route<'_> {
         match self {
             Route::Healthz => "/healthz",
             Route::Metrics => "/metrics",
+            Route::OpenApi => "/openapi.json",
             Route::Accounts => "/v1/accounts",
             Route::Account(_) => "/v1/accounts/{id}",
             Route::AccountEntries(_) => "/v1/accounts/{id}/entries",
@@ -51,7 +53,7 @@ impl Route<'_> {
     }
 
     fn needs_auth(&self) -> bool {
-        !matches!(self, Route::Healthz | Route::Metrics)
+        !matches!(self, Route::Healthz | Route::Metrics | Route::OpenApi)
     }
 }
 
@@ -59,6 +61,7 @@ impl Route<'_> {
 pub const ROUTES: &[&str] = &[
     "/healthz",
     "/metrics",
+    "/openapi.json",
     "/v1/accounts",
     "/v1/accounts/{id}",
     "/v1/accounts/{id}/entries",
@@ -74,6 +77,7 @@ pub fn match_route(path: &str) -> Option<Route<'_>> {
     Some(match segments.as_slice() {
         ["healthz"] => Route::Healthz,
         ["metrics"] => Route::Metrics,
+        ["openapi.json"] => Route::OpenApi,
         ["v1", "accounts"] => Route::Accounts,
         ["v1", "accounts", id] if id_ok(id) => Route::Account(id),
         ["v1", "accounts", id, "entries"] if id_ok(id) => Route::AccountEntries(id),
@@ -114,6 +118,7 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer
     let Some(consumer) = consumer else {
         return Ok(Answer::Now(match route {
             Route::Healthz => Reply::json(200, &serde_json::json!({"status": "ok"})),
+            Route::OpenApi => Reply::raw(200, JSON, OPENAPI_DOCUMENT.as_bytes().to_vec()),
             _ => Reply::raw(
                 200,
                 "text/plain; version=0.0.4",
