@@ -321,6 +321,8 @@ impl Problem {
                 reply.header("retry-after", RETRY_AFTER_UNAVAILABLE_SECONDS.to_string())
             }
             Problem::MethodNotAllowed { allow } => reply.header("allow", *allow),
+            // RFC 9110 §11.6.1: a 401 names the scheme it wants.
+            Problem::Unauthorized => reply.header("www-authenticate", "Bearer"),
             _ => reply,
         }
     }

@@ -108,6 +108,7 @@ fn bad_input_gets_its_slug_and_changes_nothing() {
             (401, "unauthorized"),
             "{path}"
         );
+        assert_eq!(r.header("www-authenticate"), Some("Bearer"), "{path}");
     }
     let health = support::send(server.addr(), "GET", "/healthz", &[], b"").unwrap();
     assert_eq!(
