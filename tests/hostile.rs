@@ -853,6 +853,7 @@ fn nothing_a_client_sends_is_reflected_into_a_response_header() {
         "allow",
         "location",
         "idempotent-replayed",
+        "www-authenticate",
     ];
     for (name, bytes) in cases {
         let mut raw = Raw::connect(server.addr());
