@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 use support::{ChildServer, TempDir};
 
 /// The CI profile: at least 20 kills, about 20 s on a loaded 2-core machine.
-const KILLS_DEFAULT: u32 = 24;
+const KILLS_DEFAULT: u32 = 30;
 /// Client threads, released together; client `i` speaks for consumer
 /// `i % CONSUMERS`, so two clients share each consumer's accounts.
 const CLIENTS: usize = 6;
@@ -224,9 +224,17 @@ struct Record {
 
 #[derive(Default)]
 struct Stats {
+    /// Requests sent.
     attempts: AtomicU64,
+    /// Requests that were a re-send of the same intent.
     retries: AtomicU64,
+    /// Why a request had to be re-sent.
+    connection_errors: AtomicU64,
+    in_use_409: AtomicU64,
+    unavailable_503: AtomicU64,
     replays_compared: AtomicU64,
+    /// In-progress keys found in the file after a kill: orphans to take over.
+    orphans_at_kills: AtomicU64,
 }
 
 /// What the clients and the kill loop share.
@@ -301,12 +309,14 @@ enum Attempt {
     Final(Answer),
     /// Connection error, 409 or 503: send the same again.
     Retry,
+    /// The server is down: nothing was sent.
+    Down,
 }
 
 fn attempt(shared: &Shared, intent: &Intent) -> Attempt {
     let Some(addr) = *shared.addr.read().unwrap() else {
         std::thread::sleep(DOWN_PAUSE);
-        return Attempt::Retry;
+        return Attempt::Down;
     };
     shared.stats.attempts.fetch_add(1, Ordering::Relaxed);
     let auth = format!("Bearer {}", shared.keys[intent.consumer]);
@@ -317,10 +327,19 @@ fn attempt(shared: &Shared, intent: &Intent) -> Attempt {
     ];
     match support::send(addr, "POST", &intent.path, &headers, intent.body.as_bytes()) {
         Err(_) => {
+            shared
+                .stats
+                .connection_errors
+                .fetch_add(1, Ordering::Relaxed);
             std::thread::sleep(DOWN_PAUSE);
             Attempt::Retry
         }
         Ok(r) if r.status == 409 || r.status == 503 => {
+            let counter = match r.status {
+                409 => &shared.stats.in_use_409,
+                _ => &shared.stats.unavailable_503,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
             std::thread::sleep(RETRY_PAUSE);
             Attempt::Retry
         }
@@ -339,17 +358,19 @@ fn attempt(shared: &Shared, intent: &Intent) -> Attempt {
 /// or the deadline passed (recorded as a failure).
 fn until_final(shared: &Shared, intent: &Intent) -> Option<Answer> {
     let deadline = Instant::now() + INTENT_DEADLINE;
-    let mut first = true;
+    let mut sent = false;
     loop {
         if shared.abort.load(Ordering::SeqCst) {
             return None;
         }
-        if !first {
+        let outcome = attempt(shared, intent);
+        if sent && !matches!(outcome, Attempt::Down) {
             shared.stats.retries.fetch_add(1, Ordering::Relaxed);
         }
-        first = false;
-        if let Attempt::Final(answer) = attempt(shared, intent) {
-            return Some(answer);
+        match outcome {
+            Attempt::Final(answer) => return Some(answer),
+            Attempt::Retry => sent = true,
+            Attempt::Down => {}
         }
         if Instant::now() > deadline {
             shared.fail(format!(
@@ -560,9 +581,13 @@ impl Client {
     /// its key may be left in progress, for a retry that never comes; the
     /// reaper must finish it.
     fn abandon_after_one_attempt(&mut self, intent: Arc<Intent>) {
-        match attempt(&self.shared, &intent) {
-            Attempt::Final(answer) => self.record(intent, answer),
-            Attempt::Retry => self.shared.abandoned.lock().unwrap().push(intent),
+        loop {
+            match attempt(&self.shared, &intent) {
+                Attempt::Final(answer) => return self.record(intent, answer),
+                Attempt::Retry => return self.shared.abandoned.lock().unwrap().push(intent),
+                Attempt::Down if self.shared.abort.load(Ordering::SeqCst) => return,
+                Attempt::Down => {}
+            }
         }
     }
 
@@ -1365,7 +1390,20 @@ fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
         problems.extend(panics.iter().map(|p| format!("server stderr: {p}")));
         at.check(problems);
         let records = shared.answered.lock().unwrap().clone();
-        check_quiescent(&at, &db, &records);
+        let snapshot = check_quiescent(&at, &db, &records);
+        let orphans = snapshot.keys.values().filter(|k| k.state == "in_progress");
+        let orphans = orphans.count() as u64;
+        shared
+            .stats
+            .orphans_at_kills
+            .fetch_add(orphans, Ordering::Relaxed);
+        if n % 100 == 0 {
+            println!(
+                "torture: seed {seed}: {n} kills checked in {:.0} s, {} intents answered",
+                began.elapsed().as_secs_f64(),
+                records.len()
+            );
+        }
         server = start_server(&at, &db);
         *shared.addr.write().unwrap() = Some(server.addr);
     }
@@ -1393,14 +1431,18 @@ fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
     let charge = |r: &Record| matches!(r.intent.kind, Kind::Charge { .. });
     let refund = |r: &Record| matches!(r.intent.kind, Kind::Refund { .. });
     let stats = &shared.stats;
+    let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
     println!(
-        "torture: seed {seed}: ok in {:.1} s: {} kills; {} intents answered ({} charges acked 201, \
-         {} declined 402; {} refunds acked 201, {} refused; {} reference replays); {} abandoned \
-         after one attempt ({reaped} finished by the reaper, {never} never reserved); {} requests, \
-         {} retries; {} replays compared ({mid_run_replays} during the run, {} at the end); \
-         {} charges and {} refunds in the database",
+        "torture: seed {seed}: ok in {:.1} s: {} kills ({} in-progress keys found in the file \
+         after them); {} intents answered ({} charges acked 201, {} declined 402; {} refunds \
+         acked 201, {} refused 402/422; {} reference replays); {} abandoned after one attempt \
+         ({reaped} finished by the reaper, {never} never reserved); {} requests, {} of them \
+         retries (after {} connection errors, {} 409, {} 503); {} replays compared byte for byte \
+         ({mid_run_replays} during the run, {} at the end); {} charges and {} refunds in the \
+         database",
         began.elapsed().as_secs_f64(),
         profile.kills,
+        get(&stats.orphans_at_kills),
         records.len(),
         count(&|r| charge(r) && r.first.status == 201),
         count(&|r| charge(r) && r.first.status == 402),
@@ -1408,9 +1450,12 @@ fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
         count(&|r| refund(r) && r.first.status != 201),
         count(&|r| matches!(r.intent.kind, Kind::ReferenceReplay { .. })),
         reaped + never,
-        stats.attempts.load(Ordering::Relaxed),
-        stats.retries.load(Ordering::Relaxed),
-        stats.replays_compared.load(Ordering::Relaxed),
+        get(&stats.attempts),
+        get(&stats.retries),
+        get(&stats.connection_errors),
+        get(&stats.in_use_409),
+        get(&stats.unavailable_503),
+        get(&stats.replays_compared),
         records.len(),
         snapshot.charges.len(),
         snapshot.refunds.len(),
