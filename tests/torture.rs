@@ -1461,3 +1461,167 @@ fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
         snapshot.refunds.len(),
     );
 }
+
+/// A way a bug could leave the file, and the words the checks must say.
+struct Tampering {
+    name: &'static str,
+    sql: &'static str,
+    /// Also append the journal's first line again (a second authorization).
+    journal_twice: bool,
+    expect: &'static str,
+}
+
+/// The file holds one acknowledged charge of 700 from `fund_brl` to
+/// `shop_brl_a` (for each of the three consumers' accounts, the statements
+/// touch only that one charge's rows).
+const TAMPERINGS: &[Tampering] = &[
+    Tampering {
+        name: "an acknowledged charge is lost (balances fixed up to hide it)",
+        sql: "DELETE FROM entries; DELETE FROM charges; UPDATE accounts SET balance = 0;",
+        journal_twice: false,
+        expect: "lost: acknowledged charge",
+    },
+    Tampering {
+        name: "the stored answer differs from the one the client saw",
+        sql: "UPDATE idempotency_keys SET response_body = CAST(replace(CAST(response_body AS TEXT), \
+              '\"amount\":700', '\"amount\":701') AS BLOB);",
+        journal_twice: false,
+        expect: "client saw 201",
+    },
+    Tampering {
+        name: "one key moved money twice (consistently, so the sums still hold)",
+        sql: "INSERT INTO charges (consumer_id, public_id, amount, currency, source_id, \
+              destination_id, reference, metadata, fingerprint, op_id, idempotency_key, \
+              authorization_id, created_at) SELECT consumer_id, public_id || 'x', amount, currency, \
+              source_id, destination_id, NULL, metadata, fingerprint, op_id || 'x', \
+              idempotency_key, authorization_id, created_at FROM charges; \
+              INSERT INTO entries (public_id, account_id, amount, charge_id, created_at) \
+              SELECT public_id || 'x', account_id, amount, (SELECT max(id) FROM charges), \
+              created_at FROM entries; UPDATE accounts SET balance = 2 * balance;",
+        journal_twice: false,
+        expect: "at most once: one charge per (consumer, key)",
+    },
+    Tampering {
+        name: "money created out of nothing",
+        sql: "UPDATE accounts SET balance = balance + 1 WHERE public_id = 'shop_brl_a';",
+        journal_twice: false,
+        expect: "conservation: balances sum to zero",
+    },
+    Tampering {
+        name: "a merchant below zero",
+        sql: "UPDATE entries SET amount = -amount; UPDATE accounts SET balance = -balance;",
+        journal_twice: false,
+        expect: "shop_brl_a is at -700",
+    },
+    Tampering {
+        name: "an effect committed while its key is still in progress",
+        sql: "UPDATE idempotency_keys SET state = 'in_progress', response_status = NULL, \
+              response_body = NULL, completed_at = NULL;",
+        journal_twice: false,
+        expect: "an effect belongs to a completed key row",
+    },
+    Tampering {
+        name: "an entry pointing at no account",
+        sql: "PRAGMA foreign_keys = OFF; UPDATE entries SET account_id = 9999 \
+              WHERE id = (SELECT min(id) FROM entries);",
+        journal_twice: false,
+        expect: "foreign_key_check",
+    },
+    Tampering {
+        name: "the acquirer authorized one operation twice",
+        sql: "",
+        journal_twice: true,
+        expect: "authorized operation",
+    },
+];
+
+/// The kills are only worth something if the checks fail when they should:
+/// on a real file with one acknowledged charge, each tampering is caught and
+/// named; the untouched copy passes.
+#[test]
+fn the_checks_catch_what_they_claim_to() {
+    let dir = TempDir::new("torture-checks");
+    let db = dir.db();
+    let ctx = Ctx {
+        seed: 0,
+        at: "checks self-test".into(),
+    };
+    let keys: Vec<String> = (0..CONSUMERS)
+        .map(|i| support::create_consumer_cli(&db, &format!("torture-{i}")))
+        .collect();
+    let server = start_server(&ctx, &db);
+    create_accounts(&ctx, server.addr, &keys);
+    let intent = Arc::new(Intent {
+        client: 0,
+        consumer: 0,
+        key: "checks-key".into(),
+        path: "/v1/charges".into(),
+        body: json!({"amount": 700, "currency": "BRL", "source": "fund_brl",
+                     "destination": "shop_brl_a", "reference": "checks-ref"})
+        .to_string(),
+        kind: Kind::Charge {
+            amount: 700,
+            source: "fund_brl",
+            destination: "shop_brl_a",
+            reference: "checks-ref".into(),
+            may_decline: false,
+        },
+    });
+    let auth = format!("Bearer {}", keys[0]);
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Idempotency-Key", intent.key.as_str()),
+    ];
+    let r = support::send(
+        server.addr,
+        "POST",
+        &intent.path,
+        &headers,
+        intent.body.as_bytes(),
+    )
+    .expect("charge");
+    let first = Answer {
+        status: r.status,
+        body: r.body,
+        replayed: false,
+    };
+    judge(&intent, &first).unwrap();
+    let records = [Record { intent, first }];
+    server.kill();
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
+        .unwrap();
+    drop(conn);
+    let journal = std::fs::read_to_string(idem::acquirer::Simulator::journal_path(&db)).unwrap();
+
+    let copy = |name: &str| {
+        let path = dir.0.join(name);
+        std::fs::copy(&db, &path).unwrap();
+        std::fs::write(idem::acquirer::Simulator::journal_path(&path), &journal).unwrap();
+        path
+    };
+    check_quiescent(&ctx, &copy("untouched.db"), &records);
+    for (i, t) in TAMPERINGS.iter().enumerate() {
+        let path = copy(&format!("tampered-{i}.db"));
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(t.sql)
+            .unwrap();
+        if t.journal_twice {
+            let first_line = journal.lines().next().unwrap();
+            let twice = format!("{journal}{first_line}\n");
+            std::fs::write(idem::acquirer::Simulator::journal_path(&path), twice).unwrap();
+        }
+        let caught = std::panic::catch_unwind(|| check_quiescent(&ctx, &path, &records));
+        let message = match caught {
+            Ok(_) => panic!("not caught: {}", t.name),
+            Err(e) => e.downcast_ref::<String>().cloned().unwrap_or_default(),
+        };
+        assert!(
+            message.contains(t.expect) && message.contains("seed 0, checks self-test"),
+            "{}: expected {:?} in:\n{message}",
+            t.name,
+            t.expect
+        );
+    }
+}
