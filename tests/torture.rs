@@ -603,12 +603,13 @@ impl Client {
     }
 
     fn record(&mut self, intent: Arc<Intent>, answer: Answer) {
-        if let Err(what) = judge(&intent, &answer) {
-            self.shared.fail(what);
-        }
-        if let (Kind::Charge { .. }, 201) = (&intent.kind, answer.status) {
-            let id = answer.json().unwrap()["id"].as_str().unwrap().to_string();
-            self.charges.push((id, Arc::clone(&intent)));
+        match judge(&intent, &answer) {
+            Err(what) => self.shared.fail(what),
+            Ok(()) if matches!(intent.kind, Kind::Charge { .. }) && answer.status == 201 => {
+                let id = answer.json().unwrap()["id"].as_str().unwrap().to_string();
+                self.charges.push((id, Arc::clone(&intent)));
+            }
+            Ok(()) => {}
         }
         let record = Record {
             intent,
