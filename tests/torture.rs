@@ -237,8 +237,6 @@ struct Stats {
     accepted_202: AtomicU64,
     unavailable_503: AtomicU64,
     replays_compared: AtomicU64,
-    /// In-progress keys found in the file after a kill: orphans to take over.
-    orphans_at_kills: AtomicU64,
 }
 
 /// What the clients and the kill loop share.
@@ -281,7 +279,9 @@ impl Drop for AbortOnDrop {
 
 /// Where a failure happened, for every assertion message.
 struct Ctx {
+    /// The database's seed and kills: what replays this schedule alone.
     seed: u64,
+    kills: u32,
     at: String,
 }
 
@@ -289,9 +289,10 @@ impl Ctx {
     fn fail(&self, problems: &[String]) -> ! {
         let shown: Vec<&String> = problems.iter().take(30).collect();
         panic!(
-            "torture failed (seed {seed}, {at}; replay with IDEM_TORTURE_SEED={seed}): \
-             {n} problem(s):\n{list}",
+            "torture failed (seed {seed}, {at}; replay with IDEM_TORTURE_SEED={seed} \
+             IDEM_TORTURE_KILLS={kills}): {n} problem(s):\n{list}",
             seed = self.seed,
+            kills = self.kills,
             at = self.at,
             n = problems.len(),
             list = shown
@@ -771,6 +772,19 @@ fn open_read_only(db: &Path) -> rusqlite::Result<Connection> {
     Ok(conn)
 }
 
+/// The database ids of the consumers `torture-0`, `torture-1`, …
+fn consumer_ids(conn: &Connection) -> rusqlite::Result<Vec<i64>> {
+    (0..CONSUMERS)
+        .map(|i| {
+            conn.query_row(
+                "SELECT id FROM consumers WHERE name = ?1",
+                [format!("torture-{i}")],
+                |r| r.get(0),
+            )
+        })
+        .collect()
+}
+
 fn read_snapshot(conn: &Connection) -> rusqlite::Result<Snapshot> {
     let mut s = Snapshot {
         consumer_ids: Vec::new(),
@@ -782,13 +796,7 @@ fn read_snapshot(conn: &Connection) -> rusqlite::Result<Snapshot> {
         keys: HashMap::new(),
         balances: HashMap::new(),
     };
-    for i in 0..CONSUMERS {
-        s.consumer_ids.push(conn.query_row(
-            "SELECT id FROM consumers WHERE name = ?1",
-            [format!("torture-{i}")],
-            |r| r.get(0),
-        )?);
-    }
+    s.consumer_ids = consumer_ids(conn)?;
     let mut stmt = conn.prepare(
         "SELECT c.public_id, c.consumer_id, c.amount, c.currency, s.public_id, d.public_id, \
          c.reference, c.idempotency_key, c.op_id, c.authorization_id FROM charges c \
@@ -1254,17 +1262,16 @@ fn drain(ctx: &Ctx, db: &Path) {
     }
 }
 
-/// Abandoned intents that reached the database were finished by the reaper:
-/// re-sent now, they replay its answer, which becomes their first answer.
+/// Abandoned intents that reached the database were finished by the server
+/// alone (the operation pool or the reaper): re-sent now, they replay its
+/// answer, which becomes their first answer.
 /// Those that never got a key row moved nothing and are dropped.
-fn resolve_abandoned(ctx: &Ctx, shared: &Shared, db: &Path) -> (usize, usize) {
+fn resolve_abandoned(ctx: &Ctx, shared: &Shared, db: &Path) -> usize {
     let abandoned = std::mem::take(&mut *shared.abandoned.lock().unwrap());
     let conn = open_read_only(db).unwrap_or_else(|e| ctx.fail(&[format!("open db: {e}")]));
-    let consumer_ids = read_snapshot(&conn)
-        .unwrap_or_else(|e| ctx.fail(&[format!("read db: {e}")]))
-        .consumer_ids;
+    let consumer_ids = consumer_ids(&conn).unwrap_or_else(|e| ctx.fail(&[format!("read db: {e}")]));
     let mut problems = Vec::new();
-    let (mut reaped, mut never) = (0, 0);
+    let mut finished = 0;
     for intent in abandoned {
         let reserved = conn
             .query_row(
@@ -1274,16 +1281,15 @@ fn resolve_abandoned(ctx: &Ctx, shared: &Shared, db: &Path) -> (usize, usize) {
             )
             .is_ok();
         if !reserved {
-            never += 1;
             continue;
         }
-        reaped += 1;
+        finished += 1;
         let Some(answer) = until_final(shared, &intent) else {
             continue;
         };
         if !answer.replayed {
             problems.push(format!(
-                "abandoned key {} was not finished by the reaper: {}",
+                "abandoned key {} was not finished by the server alone: {}",
                 intent.key,
                 answer.text()
             ));
@@ -1297,7 +1303,7 @@ fn resolve_abandoned(ctx: &Ctx, shared: &Shared, db: &Path) -> (usize, usize) {
         });
     }
     ctx.check(problems);
-    (reaped, never)
+    finished
 }
 
 /// Re-sends every answered intent once more, from `CLIENTS` threads: the
@@ -1354,16 +1360,152 @@ fn take_failures(shared: &Shared) -> Vec<String> {
     std::mem::take(&mut *shared.failures.lock().unwrap())
 }
 
+/// What one database's run saw; summed over a long run.
+#[derive(Default)]
+struct Figures {
+    databases: u64,
+    kills: u64,
+    orphans_at_kills: u64,
+    answered: u64,
+    charges_acked: u64,
+    charges_declined: u64,
+    refunds_acked: u64,
+    refunds_refused: u64,
+    reference_replays: u64,
+    abandoned: u64,
+    abandoned_finished: u64,
+    requests: u64,
+    retries: u64,
+    connection_errors: u64,
+    in_use_409: u64,
+    unavailable_503: u64,
+    accepted_202: u64,
+    replays_mid_run: u64,
+    replays_at_end: u64,
+    charges_in_db: u64,
+    refunds_in_db: u64,
+}
+
+impl Figures {
+    fn add(&mut self, o: &Figures) {
+        let pairs = [
+            (&mut self.databases, o.databases),
+            (&mut self.kills, o.kills),
+            (&mut self.orphans_at_kills, o.orphans_at_kills),
+            (&mut self.answered, o.answered),
+            (&mut self.charges_acked, o.charges_acked),
+            (&mut self.charges_declined, o.charges_declined),
+            (&mut self.refunds_acked, o.refunds_acked),
+            (&mut self.refunds_refused, o.refunds_refused),
+            (&mut self.reference_replays, o.reference_replays),
+            (&mut self.abandoned, o.abandoned),
+            (&mut self.abandoned_finished, o.abandoned_finished),
+            (&mut self.requests, o.requests),
+            (&mut self.retries, o.retries),
+            (&mut self.connection_errors, o.connection_errors),
+            (&mut self.in_use_409, o.in_use_409),
+            (&mut self.unavailable_503, o.unavailable_503),
+            (&mut self.accepted_202, o.accepted_202),
+            (&mut self.replays_mid_run, o.replays_mid_run),
+            (&mut self.replays_at_end, o.replays_at_end),
+            (&mut self.charges_in_db, o.charges_in_db),
+            (&mut self.refunds_in_db, o.refunds_in_db),
+        ];
+        for (mine, theirs) in pairs {
+            *mine += theirs;
+        }
+    }
+}
+
+impl std::fmt::Display for Figures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} kills on {} database(s), {} in-progress keys found in the file after them; \
+             {} intents answered ({} charges acked 201, {} declined 402; {} refunds acked 201, \
+             {} refused 402/422; {} reference replays); {} abandoned after one attempt ({} \
+             reserved and finished without their client, the rest never reserved); {} requests, \
+             {} of them retries (after {} connection errors, {} 409, {} 503, {} async 202); {} \
+             replays compared byte for byte ({} during the run, {} at the end); {} charges and \
+             {} refunds in the databases",
+            self.kills,
+            self.databases,
+            self.orphans_at_kills,
+            self.answered,
+            self.charges_acked,
+            self.charges_declined,
+            self.refunds_acked,
+            self.refunds_refused,
+            self.reference_replays,
+            self.abandoned,
+            self.abandoned_finished,
+            self.requests,
+            self.retries,
+            self.connection_errors,
+            self.in_use_409,
+            self.unavailable_503,
+            self.accepted_202,
+            self.replays_mid_run + self.replays_at_end,
+            self.replays_mid_run,
+            self.replays_at_end,
+            self.charges_in_db,
+            self.refunds_in_db,
+        )
+    }
+}
+
+/// Kills on one database. Every check after a kill reads the whole file,
+/// and `idem verify`'s refund check is quadratic (it scans `entries` once
+/// per refund: no index on `refund_id`), so a long run is a sequence of
+/// fresh databases, each with its own seed, keeping the cost of a kill
+/// bounded; the CI profile fits in one.
+const KILLS_PER_DATABASE_MAX: u32 = 100;
+
+/// The seed of database `index` of a run: the run's own seed for the first,
+/// so that a failure in any database replays alone with the seed it prints.
+fn database_seed(run_seed: u64, index: u64) -> u64 {
+    match index {
+        0 => run_seed,
+        i => Rng::new(run_seed ^ i.wrapping_mul(0xD1B5_4A32_D192_ED03)).next(),
+    }
+}
+
 #[test]
 fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
     let profile = Profile::from_env();
-    let seed = profile.seed;
     println!(
-        "torture: seed {seed}, {} kills (replay: IDEM_TORTURE_SEED={seed} IDEM_TORTURE_KILLS={} \
-         cargo test --test torture)",
-        profile.kills, profile.kills
+        "torture: seed {seed}, {kills} kills (replay: IDEM_TORTURE_SEED={seed} \
+         IDEM_TORTURE_KILLS={kills} cargo test --test torture)",
+        seed = profile.seed,
+        kills = profile.kills
     );
     let began = Instant::now();
+    let mut total = Figures::default();
+    let mut left = profile.kills;
+    for index in 0.. {
+        let kills = left.min(KILLS_PER_DATABASE_MAX);
+        let seed = database_seed(profile.seed, index);
+        total.add(&run_database(seed, kills));
+        left -= kills;
+        if left == 0 {
+            break;
+        }
+        println!(
+            "torture: seed {}: {:.0} s so far: {total}",
+            profile.seed,
+            began.elapsed().as_secs_f64()
+        );
+    }
+    println!(
+        "torture: seed {}: ok in {:.1} s: {total}",
+        profile.seed,
+        began.elapsed().as_secs_f64()
+    );
+}
+
+/// One database: clients run while the child is killed `kills` times, each
+/// kill followed by every check; then the end checks.
+fn run_database(seed: u64, kills: u32) -> Figures {
     let dir = TempDir::new("torture");
     let db = dir.db();
     let keys: Vec<String> = (0..CONSUMERS)
@@ -1382,7 +1524,7 @@ fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
         stats: Stats::default(),
     });
     let _abort = AbortOnDrop(Arc::clone(&shared));
-    let ctx = |at: String| Ctx { seed, at };
+    let ctx = |at: String| Ctx { seed, kills, at };
 
     let mut server = start_server(&ctx("first start".into()), &db);
     create_accounts(&ctx("setup".into()), server.addr, &shared.keys);
@@ -1398,28 +1540,18 @@ fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
 
     let mut rng = Rng::new(seed);
     let mut panics = Vec::new();
-    for n in 1..=profile.kills {
+    let mut orphans_at_kills = 0;
+    for n in 1..=kills {
         std::thread::sleep(kill_delay(&mut rng));
         panics.extend(kill(&shared, server));
-        let at = ctx(format!("after kill {n}/{}", profile.kills));
+        let at = ctx(format!("after kill {n}/{kills}"));
         let mut problems = take_failures(&shared);
         problems.extend(panics.iter().map(|p| format!("server stderr: {p}")));
         at.check(problems);
         let records = shared.answered.lock().unwrap().clone();
         let snapshot = check_quiescent(&at, &db, &records);
         let orphans = snapshot.keys.values().filter(|k| k.state == "in_progress");
-        let orphans = orphans.count() as u64;
-        shared
-            .stats
-            .orphans_at_kills
-            .fetch_add(orphans, Ordering::Relaxed);
-        if n % 100 == 0 {
-            println!(
-                "torture: seed {seed}: {n} kills checked in {:.0} s, {} intents answered",
-                began.elapsed().as_secs_f64(),
-                records.len()
-            );
-        }
+        orphans_at_kills += orphans.count() as u64;
         server = start_server(&at, &db);
         *shared.addr.write().unwrap() = Some(server.addr);
     }
@@ -1431,9 +1563,10 @@ fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
     }
     end.check(take_failures(&shared));
     drain(&end, &db);
-    let (reaped, never) = resolve_abandoned(&end, &shared, &db);
+    let abandoned = shared.abandoned.lock().unwrap().len() as u64;
+    let finished = resolve_abandoned(&end, &shared, &db);
     let records = shared.answered.lock().unwrap().clone();
-    let mid_run_replays = shared.stats.replays_compared.load(Ordering::Relaxed);
+    let replays_mid_run = shared.stats.replays_compared.load(Ordering::Relaxed);
     replay_all(&end, &shared, &records);
     drain(&end, &db);
     panics.extend(kill(&shared, server));
@@ -1443,40 +1576,34 @@ fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
     let snapshot = check_quiescent(&end, &db, &records);
     end.check(model_problems(&snapshot, &records));
 
-    let count = |f: &dyn Fn(&Record) -> bool| records.iter().filter(|r| f(r)).count();
+    let count = |f: &dyn Fn(&Record) -> bool| records.iter().filter(|r| f(r)).count() as u64;
     let charge = |r: &Record| matches!(r.intent.kind, Kind::Charge { .. });
     let refund = |r: &Record| matches!(r.intent.kind, Kind::Refund { .. });
-    let stats = &shared.stats;
     let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-    println!(
-        "torture: seed {seed}: ok in {:.1} s: {} kills ({} in-progress keys found in the file \
-         after them); {} intents answered ({} charges acked 201, {} declined 402; {} refunds \
-         acked 201, {} refused 402/422; {} reference replays); {} abandoned after one attempt \
-         ({reaped} reserved and finished without their client, {never} never reserved); {} requests, {} of them \
-         retries (after {} connection errors, {} 409, {} 503, {} async 202); {} replays compared byte for byte \
-         ({mid_run_replays} during the run, {} at the end); {} charges and {} refunds in the \
-         database",
-        began.elapsed().as_secs_f64(),
-        profile.kills,
-        get(&stats.orphans_at_kills),
-        records.len(),
-        count(&|r| charge(r) && r.first.status == 201),
-        count(&|r| charge(r) && r.first.status == 402),
-        count(&|r| refund(r) && r.first.status == 201),
-        count(&|r| refund(r) && r.first.status != 201),
-        count(&|r| matches!(r.intent.kind, Kind::ReferenceReplay { .. })),
-        reaped + never,
-        get(&stats.attempts),
-        get(&stats.retries),
-        get(&stats.connection_errors),
-        get(&stats.in_use_409),
-        get(&stats.unavailable_503),
-        get(&stats.accepted_202),
-        get(&stats.replays_compared),
-        records.len(),
-        snapshot.charges.len(),
-        snapshot.refunds.len(),
-    );
+    let stats = &shared.stats;
+    Figures {
+        databases: 1,
+        kills: u64::from(kills),
+        orphans_at_kills,
+        answered: records.len() as u64,
+        charges_acked: count(&|r| charge(r) && r.first.status == 201),
+        charges_declined: count(&|r| charge(r) && r.first.status == 402),
+        refunds_acked: count(&|r| refund(r) && r.first.status == 201),
+        refunds_refused: count(&|r| refund(r) && r.first.status != 201),
+        reference_replays: count(&|r| matches!(r.intent.kind, Kind::ReferenceReplay { .. })),
+        abandoned,
+        abandoned_finished: finished as u64,
+        requests: get(&stats.attempts),
+        retries: get(&stats.retries),
+        connection_errors: get(&stats.connection_errors),
+        in_use_409: get(&stats.in_use_409),
+        unavailable_503: get(&stats.unavailable_503),
+        accepted_202: get(&stats.accepted_202),
+        replays_mid_run,
+        replays_at_end: get(&stats.replays_compared) - replays_mid_run,
+        charges_in_db: snapshot.charges.len() as u64,
+        refunds_in_db: snapshot.refunds.len() as u64,
+    }
 }
 
 /// A way a bug could leave the file, and the words the checks must say.
@@ -1561,6 +1688,7 @@ fn the_checks_catch_what_they_claim_to() {
     let db = dir.db();
     let ctx = Ctx {
         seed: 0,
+        kills: 0,
         at: "checks self-test".into(),
     };
     let keys: Vec<String> = (0..CONSUMERS)
