@@ -11,7 +11,12 @@
 //! kill moments. Thread timing is not deterministic, so which request a kill
 //! interrupts, and hence which answers come back, differ between two runs of
 //! one seed. `IDEM_TORTURE_KILLS=<n>` sets the number of kills (default
-//! `KILLS_DEFAULT`, the CI profile; README.md tells how to run the long one).
+//! `KILLS_DEFAULT`, the CI profile; README.md tells how to run the long one),
+//! spread over fresh databases of at most `KILLS_PER_DATABASE_MAX` kills each.
+//! At the end of each database the reaper must have resolved every orphan,
+//! every answered intent is re-sent once more, and the database must hold
+//! exactly the charges and refunds the answers name. A second test tampers
+//! with copies of a real file to show that each check fails when it should.
 
 mod support;
 
