@@ -59,11 +59,18 @@ const CHECKS: &[(&str, &str)] = &[
         "3. each refund has exactly its reverse entries",
         "SELECT 'refund ' || r.public_id || ' has wrong entries' FROM refunds r \
          JOIN charges c ON c.id = r.charge_id WHERE \
-         (SELECT count(*) FROM entries e WHERE e.refund_id = r.id) <> 2 \
+         (SELECT count(*) FROM entries e WHERE e.charge_id = r.charge_id \
+           AND e.refund_id = r.id) <> 2 \
          OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.refund_id = r.id AND e.charge_id = c.id \
            AND e.account_id = c.destination_id AND e.amount = -r.amount) \
          OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.refund_id = r.id AND e.charge_id = c.id \
            AND e.account_id = c.source_id AND e.amount = r.amount)",
+    ),
+    (
+        "3. each refund's entries belong to its charge",
+        "SELECT 'entry ' || e.public_id || ' of refund ' || r.public_id || \
+         ' names another charge' FROM entries e JOIN refunds r ON r.id = e.refund_id \
+         WHERE e.charge_id IS NOT r.charge_id",
     ),
     (
         "3. amount_refunded is the sum of refunds and at most the amount",

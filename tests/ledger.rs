@@ -428,6 +428,16 @@ fn verify_passes_on_a_healthy_ledger_and_fails_on_a_tampered_one() {
 
     conn.execute("UPDATE charges SET amount_refunded = amount + 1", [])
         .unwrap_err();
+    // A refund's entry filed under another charge.
+    conn.execute(
+        "UPDATE entries SET charge_id = (SELECT id FROM charges WHERE reference = 'inv-1') \
+         WHERE refund_id IS NOT NULL AND amount > 0",
+        [],
+    )
+    .unwrap();
+    let (code, report) = support::verify_cli(&db);
+    assert_eq!(code, 1);
+    assert!(report.contains("names another charge"), "{report}");
     conn.execute(
         "DELETE FROM entries WHERE refund_id IS NOT NULL AND amount < 0",
         [],
