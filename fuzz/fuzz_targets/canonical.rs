@@ -6,6 +6,9 @@
 //! - canonicalising again is a fixed point, and the fingerprint is stable;
 //! - re-serialising the input (compact or pretty, which reorders nothing but
 //!   whitespace) fingerprints alike;
+//! - every float is written as ECMAScript's `Number.prototype.toString`
+//!   writes it (checked against ryu-js), except the integral ones between
+//!   2^53 and 1e21, which idem writes exactly (see `write_number`);
 //! - object members come out sorted by UTF-16 code units, with no whitespace
 //!   outside strings;
 //! - when the input holds two JSON texts separated by a 0xFF byte (never
@@ -69,6 +72,23 @@ fn check_one(v: &Value) {
         assert_eq!(fp, fingerprint(&reread), "{text}");
     }
     check_shape(&v2, &c1);
+    numbers_as_ecmascript(v);
+}
+
+fn numbers_as_ecmascript(v: &Value) {
+    match v {
+        Value::Number(n) if n.as_i64().is_none() && n.as_u64().is_none() => {
+            let f = n.as_f64().expect("finite");
+            let exact_integral = f.fract() == 0.0 && (2f64.powi(53)..1e21).contains(&f.abs());
+            if !exact_integral {
+                let want = ryu_js::Buffer::new().format_finite(f).to_string();
+                assert_eq!(canonical(v), want, "{f:e}");
+            }
+        }
+        Value::Array(items) => items.iter().for_each(numbers_as_ecmascript),
+        Value::Object(map) => map.values().for_each(numbers_as_ecmascript),
+        _ => {}
+    }
 }
 
 /// Members sorted by UTF-16 code units at every depth; no whitespace
