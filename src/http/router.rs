@@ -326,8 +326,13 @@ fn percent_decode(s: &str) -> Option<String> {
     while i < bytes.len() {
         match bytes[i] {
             b'%' => {
-                let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
+                // Two hex digits, checked as such: `from_str_radix` alone
+                // also takes a sign (`%+1`).
+                let hex = bytes.get(i + 1..i + 3)?;
+                if !hex.iter().all(u8::is_ascii_hexdigit) {
+                    return None;
+                }
+                out.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
                 i += 3;
             }
             b'+' => {
@@ -451,6 +456,11 @@ mod tests {
             "limit=1.5",
             "colour=red",
             "starting_after=",
+            // Found by the decode fuzz target: a sign passed as a hex digit.
+            "starting_after=en_%+b",
+            "starting_after=%-1",
+            "starting_after=%4",
+            "starting_after=%zz",
         ] {
             req.query = Some(bad.into());
             assert!(page(&req).is_err(), "{bad}");
