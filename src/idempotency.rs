@@ -90,28 +90,13 @@ pub fn fingerprint(body: &Value) -> Fingerprint {
 
 /// RFC 8785 (JCS) serialisation: object keys sorted by their UTF-16 code
 /// units, recursively; no insignificant whitespace; strings escaped as
-/// ECMAScript's `JSON.stringify` does; numbers in their shortest form, with
-/// integral values written as integers.
+/// ECMAScript's `JSON.stringify` does; numbers as ECMAScript's
+/// `Number.prototype.toString` writes them (`write_number`).
 pub fn write_canonical(value: &Value, out: &mut String) {
     match value {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Value::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                out.push_str(&i.to_string());
-            } else if let Some(u) = n.as_u64() {
-                out.push_str(&u.to_string());
-            } else {
-                let f = n.as_f64().unwrap_or(0.0);
-                if f == 0.0 {
-                    out.push('0');
-                } else if f.fract() == 0.0 && f.abs() < 1e21 {
-                    out.push_str(&format!("{f:.0}"));
-                } else {
-                    out.push_str(&format!("{f}"));
-                }
-            }
-        }
+        Value::Number(n) => write_number(n, out),
         Value::String(s) => out.push_str(&Value::String(s.clone()).to_string()),
         Value::Array(items) => {
             out.push('[');
@@ -138,6 +123,95 @@ pub fn write_canonical(value: &Value, out: &mut String) {
             out.push('}');
         }
     }
+}
+
+/// A number as RFC 8785 §3.2.2.3 writes it (ECMAScript's
+/// `Number.prototype.toString`): the shortest digits that read back as the
+/// same double, in plain notation from 1e-6 up to 1e21 and in exponent
+/// notation (`1e+21`, `1.5e-7`) outside it; `-0` is `0`.
+///
+/// One deliberate difference: an integer — or a double with an integral
+/// value below 1e21 — is written with its exact digits, where JCS would
+/// round anything past 2^53 to a double first. Below 2^53 the two agree;
+/// above, JCS would give 2^53 and 2^53 + 1 one fingerprint, and two
+/// different requests must never share one.
+fn write_number(n: &serde_json::Number, out: &mut String) {
+    if let Some(i) = n.as_i64() {
+        out.push_str(&i.to_string());
+        return;
+    }
+    if let Some(u) = n.as_u64() {
+        out.push_str(&u.to_string());
+        return;
+    }
+    // Without serde_json's `arbitrary_precision` a number is an i64, a u64
+    // or a finite f64.
+    let f = n.as_f64().expect("a finite double");
+    if f == 0.0 {
+        out.push('0');
+        return;
+    }
+    if f.fract() == 0.0 && f.abs() < 1e21 {
+        out.push_str(&format!("{f:.0}"));
+        return;
+    }
+    if f < 0.0 {
+        out.push('-');
+    }
+    let (digits, n) = shortest_digits(f.abs());
+    let k = digits.len() as i32;
+    let zeros = |count: i32| "0".repeat(count as usize);
+    if k <= n && n <= 21 {
+        out.push_str(&digits);
+        out.push_str(&zeros(n - k));
+    } else if 0 < n && n <= 21 {
+        out.push_str(&digits[..n as usize]);
+        out.push('.');
+        out.push_str(&digits[n as usize..]);
+    } else if -6 < n && n <= 0 {
+        out.push_str("0.");
+        out.push_str(&zeros(-n));
+        out.push_str(&digits);
+    } else {
+        out.push_str(&digits[..1]);
+        if k > 1 {
+            out.push('.');
+            out.push_str(&digits[1..]);
+        }
+        out.push_str(&format!(
+            "e{}{}",
+            if n > 0 { "+" } else { "-" },
+            (n - 1).abs()
+        ));
+    }
+}
+
+/// The shortest digits `s` that read back as `f` (> 0), and `n` such that
+/// `f` = 0.s × 10^n. Of two equally short candidates, ECMAScript takes the
+/// closer one and, on an exact tie, the even one; Rust's `{:e}` rounds a tie
+/// up, so a tie is checked against `f`'s exact expansion (at most 767
+/// significant digits).
+fn shortest_digits(f: f64) -> (String, i32) {
+    let split = |sci: String| {
+        let (mantissa, exponent) = sci.split_once('e').expect("{:e} writes an exponent");
+        let digits = mantissa.replace('.', "");
+        let n = exponent.parse::<i32>().expect("an integer exponent") + 1;
+        (digits, n)
+    };
+    let (digits, n) = split(format!("{f:e}"));
+    let (exact, exact_n) = split(format!("{f:.767e}"));
+    let exact = exact.trim_end_matches('0');
+    let k = digits.len();
+    if exact.len() == k + 1 && exact.ends_with('5') {
+        // Exactly halfway between `down` and the next k-digit number.
+        let down = &exact[..k];
+        let even = down.ends_with(['0', '2', '4', '6', '8']);
+        let reads_back = format!("0.{down}e{exact_n}").parse::<f64>() == Ok(f);
+        if even && reads_back {
+            return (down.to_string(), exact_n);
+        }
+    }
+    (digits, n)
 }
 
 fn utf16_cmp(a: &str, b: &str) -> Ordering {
@@ -704,6 +778,74 @@ mod tests {
             fingerprint(&json!({"a": "1"})),
             fingerprint(&json!({"a": 1}))
         );
+    }
+
+    /// RFC 8785 Appendix B's number vectors (IEEE 754 bit patterns in,
+    /// ECMAScript text out), plus the cases the `canonical` fuzz target
+    /// found: f64::MAX was written as 309 digits that serde_json read back
+    /// as out of range, and 333333333.33333329 was misread by serde_json's
+    /// default (approximate) float parser, so its canonical text differed
+    /// from the RFC's. Integers stay exact, past 2^53 too.
+    #[test]
+    fn canonical_numbers_follow_rfc_8785() {
+        let number = |bits: u64| {
+            let mut s = String::new();
+            write_canonical(&json!(f64::from_bits(bits)), &mut s);
+            s
+        };
+        #[rustfmt::skip]
+        let vectors = [
+            (0x0000000000000000, "0"),
+            (0x8000000000000000, "0"),
+            (0x0000000000000001, "5e-324"),
+            (0x8000000000000001, "-5e-324"),
+            (0x7fefffffffffffff, "1.7976931348623157e+308"),
+            (0xffefffffffffffff, "-1.7976931348623157e+308"),
+            (0x4340000000000000, "9007199254740992"),
+            (0xc340000000000000, "-9007199254740992"),
+            (0x4430000000000000, "295147905179352830000"),
+            (0x44b52d02c7e14af5, "9.999999999999997e+22"),
+            (0x44b52d02c7e14af6, "1e+23"),
+            (0x44b52d02c7e14af7, "1.0000000000000001e+23"),
+            (0x444b1ae4d6e2ef4e, "999999999999999700000"),
+            (0x444b1ae4d6e2ef4f, "999999999999999900000"),
+            (0x444b1ae4d6e2ef50, "1e+21"),
+            (0x3eb0c6f7a0b5ed8c, "9.999999999999997e-7"),
+            (0x3eb0c6f7a0b5ed8d, "0.000001"),
+            (0x41b3de4355555553, "333333333.3333332"),
+            (0x41b3de4355555554, "333333333.33333325"),
+            (0x41b3de4355555555, "333333333.3333333"),
+            (0x41b3de4355555556, "333333333.3333334"),
+            (0x41b3de4355555557, "333333333.33333343"),
+            (0xbecbf647612f3696, "-0.0000033333333333333333"),
+            (0x43143ff3c1cb0959, "1424953923781206.2"),
+        ];
+        // Integral doubles past 2^53 and below 1e21 keep their exact
+        // digits (see `write_number`): the three vectors where that differs.
+        let exact = [
+            (0x4430000000000000, "295147905179352825856"),
+            (0x444b1ae4d6e2ef4e, "999999999999999737856"),
+            (0x444b1ae4d6e2ef4f, "999999999999999868928"),
+        ];
+        for (bits, jcs) in vectors {
+            let want = exact.iter().find(|e| e.0 == bits).map_or(jcs, |e| e.1);
+            assert_eq!(number(bits), want, "{bits:#x}");
+        }
+        let canonical_of = |text: &str| {
+            let mut s = String::new();
+            write_canonical(&serde_json::from_str(text).unwrap(), &mut s);
+            s
+        };
+        assert_eq!(canonical_of("333333333.33333329"), "333333333.3333333");
+        assert_eq!(
+            canonical_of("1.7976931348623157e308"),
+            "1.7976931348623157e+308"
+        );
+        assert_eq!(canonical_of("1e-7"), "1e-7");
+        assert_eq!(canonical_of("-1.5e3"), "-1500");
+        assert_eq!(canonical_of("9007199254740993"), "9007199254740993");
+        assert_eq!(canonical_of("18446744073709551615"), "18446744073709551615");
+        assert_eq!(canonical_of("-0"), "0");
     }
 
     const T: Timeouts = Timeouts {

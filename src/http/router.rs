@@ -89,6 +89,37 @@ pub fn match_route(path: &str) -> Option<Route<'_>> {
     })
 }
 
+/// What a request asks for, decoded without the database: everything the
+/// contract checks after auth — route (404), method (405), declared body
+/// size (413), the `Idempotency-Key` (400), the body (400) and the query.
+/// `handle` runs it on `App`; the fuzz target `decode` runs this alone, so
+/// it exercises the very code the server runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command<'a> {
+    Healthz,
+    Metrics,
+    OpenApi,
+    CreateAccount(Write<AccountRequest, Option<IdempotencyKey>>),
+    CreateCharge(Write<ChargeRequest>),
+    CreateRefund(Write<RefundRequest>),
+    GetAccount(&'a str),
+    ListEntries(&'a str, Page),
+    ListCharges(Page),
+    GetCharge(&'a str),
+    GetOperation(&'a str),
+}
+
+/// A decoded POST: its key (required unless `K` is an `Option`), its mode,
+/// the body as parsed (what the fingerprint is taken of) and the validated
+/// request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Write<T, K = IdempotencyKey> {
+    pub key: K,
+    pub mode: Mode,
+    pub body: Value,
+    pub request: T,
+}
+
 /// Handles one request; returns the route template for metrics.
 pub fn handle(app: &App, req: &Request) -> (&'static str, Answer) {
     let route = match_route(&req.path);
@@ -98,12 +129,51 @@ pub fn handle(app: &App, req: &Request) -> (&'static str, Answer) {
 }
 
 fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer, Problem> {
-    let under_v1 = req.path == "/v1" || req.path.starts_with("/v1/");
-    let consumer = if under_v1 || route.as_ref().is_some_and(Route::needs_auth) {
+    let consumer = if needs_auth(req, route.as_ref()) {
         Some(authenticate(app, req)?)
     } else {
         None
     };
+    let command = decode(req, route)?;
+    let Some(consumer) = consumer else {
+        return Ok(Answer::Now(match command {
+            Command::Healthz => Reply::json(200, &serde_json::json!({"status": "ok"})),
+            Command::Metrics => Reply::raw(
+                200,
+                "text/plain; version=0.0.4",
+                app.metrics.render().into_bytes(),
+            ),
+            Command::OpenApi => Reply::raw(200, JSON, OPENAPI_DOCUMENT.as_bytes().to_vec()),
+            command => unreachable!("{command:?} decoded without auth"),
+        }));
+    };
+    Ok(match command {
+        Command::CreateAccount(w) => {
+            app.create_account(consumer, w.key, w.mode, &w.body, w.request)
+        }
+        Command::CreateCharge(w) => app.create_charge(consumer, w.key, w.mode, &w.body, w.request),
+        Command::CreateRefund(w) => app.create_refund(consumer, w.key, w.mode, &w.body, w.request),
+        Command::GetAccount(id) => app.get_account(consumer, id).into(),
+        Command::ListEntries(id, page) => app.list_entries(consumer, id, &page).into(),
+        Command::ListCharges(page) => app.list_charges(consumer, &page).into(),
+        Command::GetCharge(id) => app.get_charge(consumer, id).into(),
+        Command::GetOperation(id) => app.get_operation(consumer, id).into(),
+        command @ (Command::Healthz | Command::Metrics | Command::OpenApi) => {
+            unreachable!("{command:?} authenticated")
+        }
+    })
+}
+
+/// Whether the request must carry a bearer key (checked first, 401):
+/// everything under `/v1`, matched or not, and every `/v1` route.
+pub fn needs_auth(req: &Request, route: Option<&Route<'_>>) -> bool {
+    let under_v1 = req.path == "/v1" || req.path.starts_with("/v1/");
+    under_v1 || route.is_some_and(Route::needs_auth)
+}
+
+/// Decodes `req`, whose path matched `route`, in the contract's order of
+/// checks after auth.
+pub fn decode<'a>(req: &'a Request, route: Option<Route<'a>>) -> Result<Command<'a>, Problem> {
     let route = route.ok_or(Problem::NotFound)?;
     let method = req.method.as_str();
     let allowed = route.allow().split(", ").any(|m| m == method);
@@ -115,43 +185,50 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer
     if req.body_too_large {
         return Err(Problem::BodyTooLarge);
     }
-    let Some(consumer) = consumer else {
-        return Ok(Answer::Now(match route {
-            Route::Healthz => Reply::json(200, &serde_json::json!({"status": "ok"})),
-            Route::OpenApi => Reply::raw(200, JSON, OPENAPI_DOCUMENT.as_bytes().to_vec()),
-            _ => Reply::raw(
-                200,
-                "text/plain; version=0.0.4",
-                app.metrics.render().into_bytes(),
-            ),
-        }));
-    };
-    match (method, route) {
+    Ok(match (method, route) {
+        (_, Route::Healthz) => Command::Healthz,
+        (_, Route::Metrics) => Command::Metrics,
+        (_, Route::OpenApi) => Command::OpenApi,
         ("POST", Route::Accounts) => {
             let key = idempotency_key(req, false)?;
             let body = body(req)?;
-            let account = AccountRequest::from_json(&body).map_err(invalid)?;
-            Ok(app.create_account(consumer, key, mode(req), &body, account))
+            let request = AccountRequest::from_json(&body).map_err(invalid)?;
+            Command::CreateAccount(Write {
+                key,
+                mode: mode(req),
+                body,
+                request,
+            })
         }
         ("POST", Route::Charges) => {
             let key = idempotency_key(req, true)?.expect("required");
             let body = body(req)?;
-            let charge = ChargeRequest::from_json(&body).map_err(invalid)?;
-            Ok(app.create_charge(consumer, key, mode(req), &body, charge))
+            let request = ChargeRequest::from_json(&body).map_err(invalid)?;
+            Command::CreateCharge(Write {
+                key,
+                mode: mode(req),
+                body,
+                request,
+            })
         }
         ("POST", Route::Refunds(charge)) => {
             let key = idempotency_key(req, true)?.expect("required");
             let body = body(req)?;
-            let refund = RefundRequest::from_json(charge, &body).map_err(invalid)?;
-            Ok(app.create_refund(consumer, key, mode(req), &body, refund))
+            let request = RefundRequest::from_json(charge, &body).map_err(invalid)?;
+            Command::CreateRefund(Write {
+                key,
+                mode: mode(req),
+                body,
+                request,
+            })
         }
-        (_, Route::Account(id)) => Ok(app.get_account(consumer, id).into()),
-        (_, Route::AccountEntries(id)) => Ok(app.list_entries(consumer, id, &page(req)?).into()),
-        (_, Route::Charges) => Ok(app.list_charges(consumer, &page(req)?).into()),
-        (_, Route::Charge(id)) => Ok(app.get_charge(consumer, id).into()),
-        (_, Route::Operation(id)) => Ok(app.get_operation(consumer, id).into()),
+        (_, Route::Account(id)) => Command::GetAccount(id),
+        (_, Route::AccountEntries(id)) => Command::ListEntries(id, page(req)?),
+        (_, Route::Charges) => Command::ListCharges(page(req)?),
+        (_, Route::Charge(id)) => Command::GetCharge(id),
+        (_, Route::Operation(id)) => Command::GetOperation(id),
         (_, route) => unreachable!("method {method} allowed on {route:?}"),
-    }
+    })
 }
 
 fn authenticate(app: &App, req: &Request) -> Result<i64, Problem> {
@@ -256,8 +333,13 @@ fn percent_decode(s: &str) -> Option<String> {
     while i < bytes.len() {
         match bytes[i] {
             b'%' => {
-                let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
+                // Two hex digits, checked as such: `from_str_radix` alone
+                // also takes a sign (`%+1`).
+                let hex = bytes.get(i + 1..i + 3)?;
+                if !hex.iter().all(u8::is_ascii_hexdigit) {
+                    return None;
+                }
+                out.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
                 i += 3;
             }
             b'+' => {
@@ -304,6 +386,51 @@ mod tests {
         }
     }
 
+    /// `decode` checks in the contract's order: route, method, declared
+    /// size, key, body — each check wins over every later one.
+    #[test]
+    fn decode_checks_in_contract_order() {
+        let charge = br#"{"amount":1,"currency":"BRL","source":"a","destination":"b"}"#;
+        let req = |method: &str, path: &str, key: Option<&str>, body: &[u8], too_large| {
+            let mut r = Request {
+                method: method.into(),
+                path: path.into(),
+                body: body.to_vec(),
+                body_too_large: too_large,
+                ..Request::default()
+            };
+            if let Some(key) = key {
+                r.headers.push(("idempotency-key".into(), key.into()));
+            }
+            r
+        };
+        let status = |r: &Request| match decode(r, match_route(&r.path)) {
+            Ok(_) => 0,
+            Err(p) => p.status(),
+        };
+        #[rustfmt::skip]
+        let cases = [
+            (req("POST", "/v1/nope", None, b"{", true), 404),
+            (req("PUT", "/v1/charges", None, b"{", true), 405),
+            (req("POST", "/v1/charges", None, b"{", true), 413),
+            (req("POST", "/v1/charges", None, b"{", false), 400),
+            (req("POST", "/v1/charges", Some("a b"), b"{", false), 400),
+            (req("POST", "/v1/charges", Some("k"), b"{", false), 400),
+            (req("POST", "/v1/charges", Some("k"), charge, false), 0),
+            (req("POST", "/v1/accounts", None, b"{\"currency\":\"BRL\"}", false), 0),
+            (req("POST", "/v1/charges/ch_1/refunds", Some("k"), b"", false), 0),
+            (req("GET", "/v1/charges", None, b"", true), 413),
+        ];
+        for (i, (r, want)) in cases.iter().enumerate() {
+            assert_eq!(status(r), *want, "case {i}: {r:?}");
+        }
+        assert!(needs_auth(&req("GET", "/v1", None, b"", false), None));
+        assert!(!needs_auth(
+            &req("GET", "/healthz", None, b"", false),
+            Some(&Route::Healthz)
+        ));
+    }
+
     #[test]
     fn bearer_tokens() {
         assert_eq!(bearer_token(b"Bearer sk_1"), Some(&b"sk_1"[..]));
@@ -336,6 +463,11 @@ mod tests {
             "limit=1.5",
             "colour=red",
             "starting_after=",
+            // Found by the decode fuzz target: a sign passed as a hex digit.
+            "starting_after=en_%+b",
+            "starting_after=%-1",
+            "starting_after=%4",
+            "starting_after=%zz",
         ] {
             req.query = Some(bad.into());
             assert!(page(&req).is_err(), "{bad}");
