@@ -5,8 +5,11 @@
 //! so one snapshot. In WAL mode a reader never blocks the writer, so the
 //! server keeps committing while the pages are copied, and the backup never
 //! restarts because of those commits (a step-by-step copy would). The pages
-//! go to `OUT.partial`, which is synced and then renamed to `OUT`: a crash or
-//! a full disk leaves no half-written file under the final name.
+//! go to a file of this run's own (`OUT.partial-<random>`), which is synced
+//! and then hard-linked to `OUT` — a link, unlike a rename, fails if `OUT`
+//! appeared meanwhile — so a crash, a full disk or a second backup running at
+//! the same time never leaves a half-written or overwritten file under the
+//! final name.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -42,16 +45,10 @@ pub fn backup(db: &Path, out: &Path) -> Result<Summary> {
     }
     let source = store::open_existing(db)?;
     let partial = partial_path(out);
+    let published =
+        copy(&source, &partial).and_then(|pages| publish(&partial, out).map(|()| pages));
     let _ = std::fs::remove_file(&partial);
-    let pages = copy(&source, &partial).inspect_err(|_| {
-        let _ = std::fs::remove_file(&partial);
-    })?;
-    // The copy is complete and closed: make it durable, then give it its name.
-    std::fs::File::open(&partial)?.sync_all()?;
-    std::fs::rename(&partial, out)?;
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
+    let pages = published?;
     let bytes = std::fs::metadata(out)?.len();
     let report = verify::verify(&store::open_existing(out)?)?;
     Ok(Summary {
@@ -62,8 +59,14 @@ pub fn backup(db: &Path, out: &Path) -> Result<Summary> {
 }
 
 fn copy(source: &Connection, partial: &Path) -> Result<i32> {
-    let mut target = Connection::open(partial)
+    // Created here, exclusively: no other run can be writing this file.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(partial)
         .map_err(|e| Error::Other(format!("cannot create {}: {e}", partial.display())))?;
+    let mut target = Connection::open(partial)
+        .map_err(|e| Error::Other(format!("cannot open {}: {e}", partial.display())))?;
     let started = Instant::now();
     let pages = {
         let backup = Backup::new(source, &mut target)?;
@@ -88,8 +91,25 @@ fn copy(source: &Connection, partial: &Path) -> Result<i32> {
     Ok(pages)
 }
 
+/// Makes the finished copy durable and gives it its name, unless `out`
+/// exists by now.
+fn publish(partial: &Path, out: &Path) -> Result<()> {
+    std::fs::File::open(partial)?.sync_all()?;
+    std::fs::hard_link(partial, out).map_err(|e| match e.kind() {
+        std::io::ErrorKind::AlreadyExists => Error::Other(format!(
+            "{} appeared while the backup ran; refusing to overwrite it",
+            out.display()
+        )),
+        _ => Error::Other(format!("cannot create {}: {e}", out.display())),
+    })?;
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
 fn partial_path(out: &Path) -> PathBuf {
     let mut name = out.as_os_str().to_owned();
-    name.push(".partial");
+    name.push(format!(".partial-{}", uuid::Uuid::new_v4().simple()));
     PathBuf::from(name)
 }
