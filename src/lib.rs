@@ -128,7 +128,7 @@ impl Server {
                 let route =
                     http::router::match_route(&req.path).map_or("unmatched", |r| r.template());
                 log::error!("handler panicked on {} {route}", req.method);
-                ("unmatched", Answer::Now(api::Problem::Internal.reply()))
+                (route, Answer::Now(api::Problem::Internal.reply()))
             });
             let metrics = Arc::clone(&handler_app.metrics);
             let method = req.method.clone();

@@ -699,7 +699,7 @@ fn a_panicking_handler_answers_500_and_the_workers_survive() {
     assert_eq!(
         metric(
             server.addr(),
-            "idem_http_requests_total{route=\"unmatched\",status=\"500\"}"
+            "idem_http_requests_total{route=\"/v1/charges\",status=\"500\"}"
         ),
         PANICS as u64
     );
