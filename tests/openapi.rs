@@ -7,7 +7,7 @@
 mod support;
 
 use std::collections::BTreeSet;
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex};
 
 use idem::http::router::{match_route, ROUTES};
 use serde_json::{json, Value};
@@ -200,7 +200,23 @@ fn the_server_serves_the_file_byte_for_byte_without_auth() {
 #[test]
 fn real_answers_are_documented() {
     let doc = document();
-    let (server, client) = support::server(|c| c.acquirer_latency = Duration::from_millis(800));
+    // While `held` is true, a charge waits just before its ledger phase, its
+    // key in progress: the 409 and the 202 below need no race with a timer.
+    let held = Arc::new((Mutex::new(false), Condvar::new()));
+    let gate = Arc::clone(&held);
+    let (server, client) = support::server(|c| {
+        c.hooks.before_ledger_phase = Some(Arc::new(move |_op: &str| {
+            let (lock, released) = &*gate;
+            let mut hold = lock.lock().unwrap();
+            while *hold {
+                hold = released.wait(hold).unwrap();
+            }
+        }))
+    });
+    let hold = |on: bool| {
+        *held.0.lock().unwrap() = on;
+        held.1.notify_all();
+    };
     let check = |template: &str, method: &str, resp: &Resp, status: u16| {
         assert_eq!(
             resp.status,
@@ -225,7 +241,8 @@ fn real_answers_are_documented() {
     let no_key = client.post("/v1/charges", None, &charge_body(100));
     check("/v1/charges", "POST", &no_key, 400);
 
-    // A duplicate while the first attempt waits on the acquirer: 409 now.
+    // A duplicate while the first attempt is in progress: 409 now.
+    hold(true);
     let first = {
         let client = client.clone();
         std::thread::spawn(move || client.charge("k2", &charge_body(5)))
@@ -241,6 +258,7 @@ fn real_answers_are_documented() {
     let body = charge_body(5).to_string();
     let accepted = client.request("POST", "/v1/charges", &prefer, &body);
     check("/v1/charges", "POST", &accepted, 202);
+    hold(false);
     check("/v1/charges", "POST", &first.join().unwrap(), 201);
     let operation = accepted.header("location").unwrap().to_string();
     check("/v1/operations/{id}", "GET", &client.get(&operation), 200);
