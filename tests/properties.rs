@@ -271,6 +271,17 @@ fn mutate_in(v: &mut Value, rng: &mut Rng) {
     }
 }
 
+fn collect_objects<'a>(v: &'a Value, out: &mut Vec<&'a Map<String, Value>>) {
+    match v {
+        Value::Object(o) => {
+            out.push(o);
+            o.values().for_each(|child| collect_objects(child, out));
+        }
+        Value::Array(items) => items.iter().for_each(|child| collect_objects(child, out)),
+        _ => {}
+    }
+}
+
 fn canonical(v: &Value) -> String {
     let mut s = String::new();
     write_canonical(v, &mut s);
@@ -300,6 +311,26 @@ proptest! {
         let reread: Value = serde_json::from_str(&text).expect("respelled text is JSON");
         prop_assert!(same(&v, &reread), "respelling changed the value: {text}");
         prop_assert_eq!(fingerprint(&v), fingerprint(&reread), "{} vs {}", v, text);
+    }
+
+    /// Every object, at every depth, is written with its members sorted by
+    /// the UTF-16 code units of their names (RFC 8785 §3.2.3) — not by the
+    /// code points serde_json's map keeps them in, which differ above
+    /// U+FFFF. (Reordered input alone cannot show this: the parser sorts.)
+    #[test]
+    fn members_are_written_in_utf16_order(v in json_value()) {
+        let mut objects = Vec::new();
+        collect_objects(&v, &mut objects);
+        for o in objects {
+            let mut names: Vec<&String> = o.keys().collect();
+            names.sort_by(|a, b| a.encode_utf16().cmp(b.encode_utf16()));
+            let members: Vec<String> = names
+                .iter()
+                .map(|n| format!("{}:{}", canonical(&Value::String((*n).clone())), canonical(&o[*n])))
+                .collect();
+            let expected = format!("{{{}}}", members.join(","));
+            prop_assert_eq!(canonical(&Value::Object(o.clone())), expected);
+        }
     }
 
     /// The canonical form is JSON that reads back as the same value, is a
