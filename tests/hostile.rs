@@ -563,17 +563,24 @@ fn a_connection_flood_beyond_the_cap_is_refused_and_service_recovers() {
             })
         })
         .collect();
+    let mut told = 0;
     for refused in flood {
         let (answer, took) = refused.join().unwrap();
+        // A refusal beyond those drained at once may be a bare close.
         if let Some(r) = answer {
             assert_eq!(
                 (r.status, r.slug().as_str()),
                 (503, "temporarily-unavailable")
             );
             assert_eq!(r.header("connection"), Some("close"));
+            told += 1;
         }
         assert!(took < PROMPT, "refused at once, not after {took:?}");
     }
+    assert!(
+        told >= FLOOD / 2,
+        "only {told} of {FLOOD} refused clients read the 503"
+    );
     for raw in &mut admitted {
         raw.send(&request("GET", "/healthz", &client.key, "", ""));
         assert_eq!(raw.response().map(|r| r.status), Some(200), "admitted");

@@ -219,6 +219,7 @@ async fn accept_loop(
         .max_buf_size(limits.header_bytes_max.max(HEADER_BYTES_MAX_FLOOR))
         .keep_alive(true);
     let (mut accept_failed, mut refused) = (Throttle::default(), Throttle::default());
+    let lingering = Arc::new(Semaphore::new(REFUSALS_LINGERING_MAX));
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -238,7 +239,7 @@ async fn accept_loop(
                         let cap = limits.connections_max;
                         log::warn!("connection cap of {cap} reached; refusing a connection{more}");
                     }
-                    refuse(stream, &refusal, &shared.metrics);
+                    refuse(stream, &refusal, &shared.metrics, &lingering);
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
@@ -348,11 +349,35 @@ impl Throttle {
 
 /// Over the connection cap: a best-effort 503 (the client may not have sent
 /// its request yet; nothing waits for it to), then close.
-fn refuse(stream: TcpStream, refusal: &[u8], metrics: &Metrics) {
+/// Answers a connection over the cap with the 503 and closes it.
+///
+/// Closing a socket whose request is still unread makes the kernel send a
+/// reset, and a reset can destroy the 503 before the client reads it. So the
+/// 503 is followed by a FIN, and what the client sent is read and discarded
+/// for up to `REFUSAL_LINGER` before the socket is closed — for at most
+/// `REFUSALS_LINGERING_MAX` refusals at once; beyond that, a flood's
+/// connections are closed at once.
+fn refuse(stream: TcpStream, refusal: &[u8], metrics: &Metrics, lingering: &Arc<Semaphore>) {
     metrics.record_request("unmatched", 503, 0.0);
     let _ = stream.try_write(refusal);
-    drop(stream);
+    let Ok(permit) = Arc::clone(lingering).try_acquire_owned() else {
+        return;
+    };
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = stream;
+        let _ = stream.shutdown().await;
+        let mut sink = [0u8; 1024];
+        let drain = async { while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {} };
+        let _ = tokio::time::timeout(REFUSAL_LINGER, drain).await;
+        drop(permit);
+    });
 }
+
+/// Refused connections kept open at once to drain before closing.
+const REFUSALS_LINGERING_MAX: usize = 64;
+/// How long a refused connection is drained before it is closed.
+const REFUSAL_LINGER: Duration = Duration::from_millis(500);
 
 /// The raw bytes of the 503 for a connection over the cap.
 fn refusal_bytes() -> Vec<u8> {
