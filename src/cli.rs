@@ -223,6 +223,7 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
             signal(SignalKind::terminate())?,
         )
     };
+    budget_descriptors(&config);
     let server = Server::start(config)?;
     if let Some(key) = server.initial_key() {
         eprintln!(
@@ -240,4 +241,43 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
     server.shutdown();
     eprintln!("stopped");
     Ok(0)
+}
+
+/// Raises the soft descriptor limit to the hard one (commonly 1024 → far
+/// more), and warns when `--connections-max` plus what the server opens
+/// itself (readers, the writer, WAL and journal files, the lock) still does
+/// not fit: connections beyond the limit then wait in the accept queue, and
+/// a reader that needs a new database connection may fail with EMFILE.
+fn budget_descriptors(config: &Config) {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read and write the struct we pass.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit = raised;
+            }
+        }
+    }
+    // A reader connection holds the database and its WAL open.
+    let readers = config.workers + config::OPERATION_THREADS + 2;
+    let own = 2 * readers + config::DESCRIPTORS_RESERVED;
+    let needed = (config.http.connections_max + own) as u64;
+    if limit.rlim_cur < needed {
+        log::warn!(
+            "the descriptor limit is {}, below the {needed} that --connections-max {} and \
+             the server's own files need; raise it (ulimit -n) or lower --connections-max",
+            limit.rlim_cur,
+            config.http.connections_max
+        );
+    }
 }

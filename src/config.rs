@@ -94,6 +94,10 @@ const _: () = assert!(HEADER_BYTES_MAX >= HEADER_BYTES_MAX_FLOOR);
 /// descriptor limit should leave room above this for the database files;
 /// when it does not, `accept` fails, is logged and retried, never fatal.
 pub const CONNECTIONS_MAX: usize = 1024;
+/// Descriptors the server needs besides connections and reader connections:
+/// the writer's database, WAL and shm, temp files, the lock, the acquirer
+/// journal, the listener, stdio, the runtime's epoll and eventfds.
+pub const DESCRIPTORS_RESERVED: usize = 32;
 /// How long shutdown waits for in-flight requests before closing anyway.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// SQLite busy timeout of every connection: how long a statement waits for a

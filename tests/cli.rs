@@ -245,3 +245,55 @@ fn sigterm_finishes_in_flight_requests_and_exits_0() {
         assert_eq!(n, 1);
     }
 }
+
+/// Runs `prlimit --nofile=SOFT:HARD idem serve` until it listens; returns
+/// its stderr up to "listening on" and its soft descriptor limit as the
+/// kernel reports it then.
+fn serve_with_nofile(soft: u32, hard: u32) -> (String, u64) {
+    use std::io::{BufRead, BufReader};
+    let dir = TempDir::new("nofile");
+    let mut child = Command::new("prlimit")
+        .arg(format!("--nofile={soft}:{hard}"))
+        .arg(env!("CARGO_BIN_EXE_idem"))
+        .args(["serve", "--addr", "127.0.0.1:0", "--db"])
+        .arg(dir.db())
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("prlimit (util-linux) runs idem serve");
+    let mut seen = String::new();
+    for line in BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        seen.push_str(&line);
+        seen.push('\n');
+        if line.starts_with("listening on") {
+            break;
+        }
+    }
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let open_files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .and_then(|soft| soft.parse().ok())
+        .expect("Max open files in /proc/PID/limits");
+    (seen, open_files)
+}
+
+/// `idem serve` raises its soft descriptor limit to the hard one, and warns
+/// when even that cannot hold `--connections-max` and its own files.
+#[test]
+fn serve_budgets_file_descriptors() {
+    let (stderr, soft) = serve_with_nofile(256, 8192);
+    assert_eq!(soft, 8192, "soft limit raised to the hard one");
+    assert!(!stderr.contains("descriptor limit"), "{stderr}");
+
+    let (stderr, soft) = serve_with_nofile(256, 256);
+    assert_eq!(soft, 256);
+    assert!(
+        stderr.contains("the descriptor limit is 256") && stderr.contains("--connections-max"),
+        "{stderr}"
+    );
+}
