@@ -301,9 +301,11 @@ fn page(req: &Request) -> Result<Page, Problem> {
             .ok_or_else(|| Problem::InvalidRequest(format!("{name}: bad percent-encoding")))?;
         match name {
             "limit" => {
-                page.limit = value
-                    .parse()
-                    .ok()
+                // Digits only: Rust's parse would also take a leading `+`.
+                let digits = !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit());
+                page.limit = digits
+                    .then(|| value.parse().ok())
+                    .flatten()
                     .filter(|n| (1..=LIST_LIMIT_MAX).contains(n))
                     .ok_or_else(|| {
                         Problem::InvalidRequest(format!(
@@ -462,6 +464,9 @@ mod tests {
             "limit=101",
             "limit=x",
             "limit=1.5",
+            "limit=+5",
+            "limit=%2B5",
+            "limit=",
             "colour=red",
             "starting_after=",
             // Found by the decode fuzz target: a sign passed as a hex digit.
