@@ -329,23 +329,6 @@ fn stuck_owner_is_fenced_off_after_takeover() {
     support::assert_verified(server.db_path());
 }
 
-struct Counting {
-    calls: std::sync::atomic::AtomicUsize,
-    inner: idem::acquirer::Simulator,
-}
-
-impl Acquirer for Counting {
-    fn authorize(
-        &self,
-        key: &str,
-        amount: i64,
-        currency: &str,
-    ) -> Result<Authorization, Unavailable> {
-        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.authorize(key, amount, currency)
-    }
-}
-
 /// Fencing at the ledger commit: owner A has recorded its recovery point and
 /// is stuck just before its ledger phase past the in-flight timeout; B takes
 /// over, resumes from the recovery point (no second acquirer call) and
@@ -358,10 +341,7 @@ fn owner_stuck_before_its_ledger_commit_is_fenced_off() {
     let dir = TempDir::new("fence-ledger");
     let hook_stalls = Arc::clone(&stalls);
     let (at_hook_tx, at_hook_rx) = crossbeam_channel::bounded(1);
-    let acquirer = Arc::new(Counting {
-        calls: Default::default(),
-        inner: idem::acquirer::Simulator::new(Duration::ZERO),
-    });
+    let acquirer = support::CountingAcquirer::new();
     let (server, client) = support::server_with_acquirer(&dir, acquirer.clone(), |c| {
         c.inflight_timeout = Duration::from_millis(300);
         c.hooks.before_ledger_phase = Some(Arc::new(move |_op: &str| {
@@ -375,7 +355,7 @@ fn owner_stuck_before_its_ledger_commit_is_fenced_off() {
     // A's lock (refreshed at its recovery point) goes stale at its ledger phase.
     stuck_owner_loses_to_takeover(&client, "stuck", 800, &at_hook_rx, &release_tx);
     assert_eq!(
-        acquirer.calls.load(std::sync::atomic::Ordering::SeqCst),
+        acquirer.calls(),
         1,
         "B resumed from A's recovery point: one acquirer call in all"
     );

@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::acquirer::{Acquirer, Authorization, Simulator, Unavailable};
 use idem::config::HttpLimits;
 use serde_json::json;
 use support::{charge_body, parse_response, Client, Resp};
@@ -717,24 +716,6 @@ fn a_panicking_handler_answers_500_and_the_workers_survive() {
     );
 }
 
-/// Counts the acquirer's calls, to show an authorization is never repeated.
-struct Counting {
-    calls: AtomicUsize,
-    inner: Simulator,
-}
-
-impl Acquirer for Counting {
-    fn authorize(
-        &self,
-        key: &str,
-        amount: i64,
-        currency: &str,
-    ) -> Result<Authorization, Unavailable> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.authorize(key, amount, currency)
-    }
-}
-
 /// A panic inside an owned operation, after the acquirer authorized and
 /// before the ledger phase, on more charges than the operation pool has
 /// threads: each answers 500 `internal-error`, its key is unlocked at once
@@ -745,10 +726,7 @@ impl Acquirer for Counting {
 fn a_panic_in_an_operation_leaves_its_key_resumable_and_the_pool_serving() {
     const CHARGES: usize = idem::config::OPERATION_THREADS + 6;
     let dir = support::TempDir::new("op-panic");
-    let acquirer = Arc::new(Counting {
-        calls: AtomicUsize::new(0),
-        inner: Simulator::new(Duration::ZERO),
-    });
+    let acquirer = support::CountingAcquirer::new();
     let panics = Arc::new(AtomicUsize::new(0));
     let (server, client) = support::server_with_acquirer(&dir, acquirer.clone(), |c| {
         c.synchronous = idem::Synchronous::Normal;
@@ -765,7 +743,7 @@ fn a_panic_in_an_operation_leaves_its_key_resumable_and_the_pool_serving() {
         assert_eq!((r.status, r.slug().as_str()), (500, "internal-error"));
     }
     assert!(client.all_charges().is_empty(), "no effect yet");
-    assert_eq!(acquirer.calls.load(Ordering::SeqCst), CHARGES);
+    assert_eq!(acquirer.calls(), CHARGES);
     for i in 0..CHARGES {
         let r = client.charge(&format!("op-panic-{i}"), &charge_body(3));
         assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
@@ -775,7 +753,7 @@ fn a_panic_in_an_operation_leaves_its_key_resumable_and_the_pool_serving() {
         assert_eq!(again.body, r.body);
     }
     assert_eq!(
-        acquirer.calls.load(Ordering::SeqCst),
+        acquirer.calls(),
         CHARGES,
         "the retries reused the recorded authorizations"
     );

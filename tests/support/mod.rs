@@ -423,3 +423,35 @@ pub fn eventually<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// The acquirer simulator, counting its calls: shows that an authorization
+/// is never asked for twice.
+pub struct CountingAcquirer {
+    calls: std::sync::atomic::AtomicUsize,
+    inner: idem::acquirer::Simulator,
+}
+
+impl CountingAcquirer {
+    pub fn new() -> std::sync::Arc<CountingAcquirer> {
+        std::sync::Arc::new(CountingAcquirer {
+            calls: Default::default(),
+            inner: idem::acquirer::Simulator::new(Duration::ZERO),
+        })
+    }
+
+    pub fn calls(&self) -> usize {
+        self.calls.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl idem::acquirer::Acquirer for CountingAcquirer {
+    fn authorize(
+        &self,
+        key: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<idem::acquirer::Authorization, idem::acquirer::Unavailable> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.authorize(key, amount, currency)
+    }
+}
