@@ -245,6 +245,21 @@ impl SmallFs {
         }
     }
 
+    /// A server on a database in this filesystem, with the accounts `card`
+    /// and `shop`: a key left locked by a failed unlock is an orphan after
+    /// 300 ms, and only a retry (not the reaper) takes it over.
+    fn server(&self, configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Client) {
+        let mut config = idem::Config::new(self.0.join("idem.db"));
+        config.addr = "127.0.0.1:0".parse().unwrap();
+        config.inflight_timeout = Duration::from_millis(300);
+        config.reaper_interval = Duration::from_secs(3600);
+        configure(&mut config);
+        let server = idem::Server::start(config).unwrap();
+        let client = Client::new(server.addr(), server.initial_key().unwrap());
+        client.card_and_shop();
+        (server, client)
+    }
+
     /// Writes a file until the filesystem is full.
     fn fill(&self) -> PathBuf {
         fill(&self.0)
@@ -296,13 +311,7 @@ fn a_full_disk_answers_503_changes_nothing_and_retries_succeed_once_space_return
     let Some(fs) = SmallFs::mount(&dir, "6m") else {
         return;
     };
-    let mut config = idem::Config::new(fs.0.join("idem.db"));
-    config.addr = "127.0.0.1:0".parse().unwrap();
-    config.inflight_timeout = Duration::from_millis(300);
-    config.reaper_interval = Duration::from_secs(3600);
-    let server = idem::Server::start(config).unwrap();
-    let client = Client::new(server.addr(), server.initial_key().unwrap());
-    client.card_and_shop();
+    let (server, client) = fs.server(|_| {});
     let first = client.charge("before", &charge_body(1000));
     assert_eq!(first.status, 201);
     let first_id = first.json()["id"].as_str().unwrap().to_string();
@@ -438,20 +447,15 @@ fn a_disk_that_fills_mid_charge_leaves_a_resumable_key() {
     };
     let mount = fs.0.clone();
     let filled = Arc::new(std::sync::Mutex::new(None::<PathBuf>));
-    let mut config = idem::Config::new(fs.0.join("idem.db"));
-    config.addr = "127.0.0.1:0".parse().unwrap();
-    config.inflight_timeout = Duration::from_millis(300);
-    config.reaper_interval = Duration::from_secs(3600);
     let hook_filled = filled.clone();
     let fired = AtomicBool::new(false);
-    config.hooks.before_ledger_phase = Some(Arc::new(move |_op: &str| {
-        if !fired.swap(true, Ordering::SeqCst) {
-            *hook_filled.lock().unwrap() = Some(fill(&mount));
-        }
-    }));
-    let server = idem::Server::start(config).unwrap();
-    let client = Client::new(server.addr(), server.initial_key().unwrap());
-    client.card_and_shop();
+    let (server, client) = fs.server(|config| {
+        config.hooks.before_ledger_phase = Some(Arc::new(move |_op: &str| {
+            if !fired.swap(true, Ordering::SeqCst) {
+                *hook_filled.lock().unwrap() = Some(fill(&mount));
+            }
+        }));
+    });
 
     let r = client.charge("mid", &charge_body(250));
     assert_unavailable(&r, "charge with the disk filling mid-way");
