@@ -17,13 +17,10 @@ use std::time::{Duration, Instant};
 use rusqlite::backup::{Backup, StepResult};
 use rusqlite::Connection;
 
+use crate::config::BACKUP_BUSY_MAX;
 use crate::error::{Error, Result};
 use crate::store;
 use crate::verify::{self, Report};
-
-/// How long the copy waits for a lock it cannot take (a checkpoint that
-/// truncates the WAL, another process's exclusive lock) before giving up.
-pub const BACKUP_BUSY_MAX: Duration = Duration::from_secs(30);
 
 /// What a finished backup wrote.
 #[derive(Debug)]

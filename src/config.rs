@@ -98,6 +98,22 @@ pub const CONNECTIONS_MAX: usize = 1024;
 /// the writer's database, WAL and shm, temp files, the lock, the acquirer
 /// journal, the listener, stdio, the runtime's epoll and eventfds.
 pub const DESCRIPTORS_RESERVED: usize = 32;
+/// How long the accept loop waits after a failed `accept` (EMFILE: out of
+/// file descriptors) before trying again; the pending connection stays in
+/// the kernel's backlog meanwhile.
+pub const ACCEPT_RETRY_DELAY: Duration = Duration::from_millis(50);
+/// At most one warning of a kind ("accept failed", "connection refused")
+/// per this period, however long the descriptors stay exhausted or the
+/// flood lasts.
+pub const WARN_PERIOD: Duration = Duration::from_secs(1);
+/// Refused connections (over the cap) kept open at once to drain the
+/// client's request after the 503, so that closing does not reset it away.
+pub const REFUSALS_LINGERING_MAX: usize = 64;
+/// How long a refused connection is drained before it is closed.
+pub const REFUSAL_LINGER: Duration = Duration::from_millis(500);
+/// How long `idem backup` waits for a lock it cannot take (a checkpoint that
+/// truncates the WAL, another process's exclusive lock) before giving up.
+pub const BACKUP_BUSY_MAX: Duration = Duration::from_secs(30);
 /// How long shutdown waits for in-flight requests before closing anyway.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// SQLite busy timeout of every connection: how long a statement waits for a

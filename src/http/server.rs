@@ -50,7 +50,8 @@ use super::router::match_route;
 use super::Request;
 use crate::api::{Answer, Problem, Reply};
 use crate::config::{
-    HttpLimits, BODY_SIZE_MAX_BYTES, HEADER_BYTES_MAX_FLOOR, SHUTDOWN_GRACE,
+    HttpLimits, ACCEPT_RETRY_DELAY, BODY_SIZE_MAX_BYTES, HEADER_BYTES_MAX_FLOOR,
+    REFUSALS_LINGERING_MAX, REFUSAL_LINGER, SHUTDOWN_GRACE, WARN_PERIOD,
     WORKER_QUEUE_LEN_PER_WORKER,
 };
 use crate::error::{Error, Result};
@@ -60,15 +61,6 @@ use crate::metrics::Metrics;
 /// the worker (it must not block) and delivers its reply from elsewhere; the
 /// connection task awaits it without holding a worker.
 pub type Handler = Arc<dyn Fn(&Request) -> Answer + Send + Sync>;
-
-/// How long the accept loop waits after a failed `accept` (EMFILE: out of
-/// file descriptors) before trying again; the pending connection stays in
-/// the kernel's backlog meanwhile.
-const ACCEPT_RETRY_DELAY: Duration = Duration::from_millis(50);
-/// At most one warning of a kind ("accept failed", "connection refused")
-/// per this period, however long the descriptors stay exhausted or the
-/// flood lasts.
-const WARN_PERIOD: Duration = Duration::from_secs(1);
 
 struct Job {
     request: Request,
@@ -373,11 +365,6 @@ fn refuse(stream: TcpStream, refusal: &[u8], metrics: &Metrics, lingering: &Arc<
         drop(permit);
     });
 }
-
-/// Refused connections kept open at once to drain before closing.
-const REFUSALS_LINGERING_MAX: usize = 64;
-/// How long a refused connection is drained before it is closed.
-const REFUSAL_LINGER: Duration = Duration::from_millis(500);
 
 /// The raw bytes of the 503 for a connection over the cap.
 fn refusal_bytes() -> Vec<u8> {
