@@ -131,18 +131,21 @@ impl Server {
                 (route, Answer::Now(api::Problem::Internal.reply()))
             });
             let metrics = Arc::clone(&handler_app.metrics);
-            let method = req.method.clone();
+            // The method is copied only when the access log will print it.
+            let method = log::log_enabled!(log::Level::Debug).then(|| req.method.clone());
             answer.inspect(move |reply| {
                 let seconds = started.elapsed().as_secs_f64();
                 metrics.record_request(route, reply.status, seconds);
                 // The access log names the route template, never the raw
                 // path, a header or the body: nothing a client sends that
                 // could be a secret reaches the log.
-                log::debug!(
-                    "{method} {route} -> {} in {:.1} ms",
-                    reply.status,
-                    seconds * 1e3
-                );
+                if let Some(method) = method {
+                    log::debug!(
+                        "{method} {route} -> {} in {:.1} ms",
+                        reply.status,
+                        seconds * 1e3
+                    );
+                }
             })
         });
         let metrics = Arc::clone(&app.metrics);

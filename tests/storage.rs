@@ -44,6 +44,11 @@ fn run_idem(args: &[&str], db: &Path, within: Duration) -> (i32, String) {
     )
 }
 
+/// A read-only connection, to look at what the server wrote.
+fn read_only(db: &Path) -> Connection {
+    Connection::open_with_flags(db, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap()
+}
+
 /// A database with a few charges and a refund, written by a server that
 /// then shut down cleanly (its WAL checkpointed into the file).
 fn ledger_on_disk(dir: &TempDir) -> PathBuf {
@@ -182,7 +187,7 @@ fn online_backup_while_serving_is_consistent() {
     );
 
     support::assert_verified(&out);
-    let copy = Connection::open_with_flags(&out, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let copy = read_only(&out);
     let charges: usize = copy
         .query_row("SELECT count(*) FROM charges", [], |r| r.get(0))
         .unwrap();
@@ -370,8 +375,7 @@ fn a_full_disk_answers_503_changes_nothing_and_retries_succeed_once_space_return
     );
     // No refused key is completed without its charge, nor has a charge.
     {
-        let conn = Connection::open_with_flags(server.db_path(), OpenFlags::SQLITE_OPEN_READ_ONLY)
-            .unwrap();
+        let conn = read_only(server.db_path());
         for (key, _) in &refused {
             let charges: i64 = conn
                 .query_row(
@@ -418,8 +422,7 @@ fn a_full_disk_answers_503_changes_nothing_and_retries_succeed_once_space_return
         total,
         "every charge moved money once"
     );
-    let conn =
-        Connection::open_with_flags(server.db_path(), OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let conn = read_only(server.db_path());
     let (charges, keys): (i64, i64) = conn
         .query_row(
             "SELECT count(*), count(DISTINCT idempotency_key) FROM charges",
@@ -460,8 +463,7 @@ fn a_disk_that_fills_mid_charge_leaves_a_resumable_key() {
     let r = client.charge("mid", &charge_body(250));
     assert_unavailable(&r, "charge with the disk filling mid-way");
     assert_eq!(client.balance("shop"), 0, "no money moved");
-    let conn =
-        Connection::open_with_flags(server.db_path(), OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let conn = read_only(server.db_path());
     let (state, point): (String, String) = conn
         .query_row(
             "SELECT state, recovery_point FROM idempotency_keys WHERE key = 'mid'",
