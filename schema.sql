@@ -1,4 +1,7 @@
--- idem schema, version 1 (PRAGMA user_version = 1).
+-- idem schema, version 2 (PRAGMA user_version = 2): the whole current schema,
+-- applied as it is to a new database. An existing database reaches the same
+-- schema through the numbered steps in migrations/ (tests/migrations.rs proves
+-- that both ways give the same schema).
 --
 -- Timestamps are integer milliseconds since the Unix epoch (UTC); the API
 -- renders them as RFC 3339. Money is INTEGER minor units. Every table that a
@@ -116,3 +119,14 @@ CREATE INDEX idempotency_completed ON idempotency_keys(completed_at)
     WHERE state = 'completed';
 CREATE UNIQUE INDEX idempotency_reference_claims ON idempotency_keys(consumer_id, reference)
     WHERE state = 'in_progress' AND reference IS NOT NULL;
+
+-- How this database reached its version: one row per version, written in the
+-- transaction that applied it (a new database records every version at once).
+CREATE TABLE schema_migrations (
+    version     INTEGER PRIMARY KEY,
+    name        TEXT    NOT NULL,
+    -- Milliseconds since the Unix epoch (UTC).
+    applied_at  INTEGER NOT NULL,
+    -- The idem release that applied it (Cargo package version).
+    applied_by  TEXT    NOT NULL
+);

@@ -145,6 +145,18 @@ impl App {
         Ok(id)
     }
 
+    /// Creates the consumer `name` if there is no consumer at all, in one
+    /// write transaction, and returns its key; `None` if one existed.
+    pub fn create_first_consumer(&self, name: &str) -> Result<Option<String>> {
+        let name = name.to_string();
+        self.writer.call(move |tx| {
+            if consumers::count(tx)? > 0 {
+                return Ok(None);
+            }
+            consumers::create(tx, &name).map(|(_, key)| Some(key))
+        })
+    }
+
     pub fn create_consumer(&self, name: &str) -> Result<String> {
         let name = name.to_string();
         self.writer

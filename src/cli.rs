@@ -1,8 +1,9 @@
-//! The command line: `serve`, `consumers create|list`, `verify`, `backup`. Raw flags
+//! The command line: `serve`, `consumers create|list`, `verify`, `backup`,
+//! `migrate`. Raw flags
 //! (each also read from an `IDEM_*` environment variable) become a validated
 //! [`Config`] here, once.
 
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -22,7 +23,9 @@ use crate::{backup, consumers, store, verify, Server};
     propagate_version = true
 )]
 struct Cli {
-    /// SQLite database file (created with the schema on first use).
+    /// SQLite database file. `serve` and `consumers create` create it (with
+    /// the schema) if it does not exist and migrate an older one; `verify`,
+    /// `backup`, `consumers list` and `migrate` need an existing one.
     #[arg(long, env = "IDEM_DB", default_value = "./idem.db", global = true)]
     db: PathBuf,
     #[command(subcommand)]
@@ -48,6 +51,11 @@ enum Command {
         /// SQLite file, to restore by starting `idem serve --db OUT`.
         out: PathBuf,
     },
+    /// Bring an existing database's schema up to this idem's version (what
+    /// `idem serve` also does at start), one numbered step per transaction,
+    /// then exit. Refuses while `idem serve` runs on it, and refuses a
+    /// database written by a newer idem.
+    Migrate,
 }
 
 #[derive(Subcommand, Debug)]
@@ -64,8 +72,9 @@ enum ConsumersCommand {
 
 #[derive(Args, Debug)]
 struct ServeArgs {
-    /// Listen address; port 0 picks a free port.
-    #[arg(long, env = "IDEM_ADDR", default_value = "127.0.0.1:8080")]
+    /// Listen address, HOST:PORT (an IP address or a host name such as
+    /// localhost); port 0 picks a free port.
+    #[arg(long, env = "IDEM_ADDR", default_value = "127.0.0.1:8080", value_parser = parse_addr)]
     addr: SocketAddr,
     /// HTTP worker threads [default: CPU count × 4, at least 4].
     #[arg(long, env = "IDEM_WORKERS", value_parser = clap::value_parser!(u16).range(1..=1024))]
@@ -128,6 +137,40 @@ fn parse_positive_duration(s: &str) -> std::result::Result<Duration, String> {
     Ok(d)
 }
 
+/// `HOST:PORT` with an IP address or a host name. A name is resolved once,
+/// here; of its addresses the first IPv4 one is taken (so `localhost` means
+/// 127.0.0.1, as on most machines' clients), else the first.
+fn parse_addr(s: &str) -> std::result::Result<SocketAddr, String> {
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    if s.rsplit_once(':').is_none_or(|(host, _)| host.is_empty()) {
+        return Err(format!(
+            "'{s}' is not HOST:PORT (e.g. 127.0.0.1:8080, localhost:8080)"
+        ));
+    }
+    let addrs: Vec<SocketAddr> = s
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve '{s}': {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("'{s}' resolves to no address"))
+}
+
+/// `IDEM_FAULT` (tests only): where to abort, to simulate a crash.
+fn fault_from_env() -> Result<Option<FaultPoint>> {
+    match std::env::var("IDEM_FAULT") {
+        Ok(fault) => FaultPoint::parse(&fault)
+            .map(Some)
+            .ok_or_else(|| Error::Usage(format!("IDEM_FAULT: unknown fault point '{fault}'"))),
+        Err(_) => Ok(None),
+    }
+}
+
 /// Runs the command line; `Ok` carries the exit code.
 pub fn run() -> Result<i32> {
     let cli = match Cli::try_parse() {
@@ -139,7 +182,7 @@ pub fn run() -> Result<i32> {
         Command::Consumers {
             command: ConsumersCommand::Create { name },
         } => {
-            let conn = store::open_rw(&cli.db, Synchronous::Full)?;
+            let conn = store::open_rw(&cli.db, Synchronous::Full, None)?;
             let (consumer, key) = consumers::create(&conn, &name)?;
             eprintln!(
                 "created consumer '{}' ({}); its secret key, shown once:",
@@ -159,11 +202,12 @@ pub fn run() -> Result<i32> {
             Ok(0)
         }
         Command::Verify => {
-            let conn = store::open_existing(&cli.db)?;
+            let conn = store::open_current(&cli.db)?;
             let report = verify::verify(&conn)?;
             print!("{report}");
             Ok(if report.ok() { 0 } else { 1 })
         }
+        Command::Migrate => migrate(&cli.db),
         Command::Backup { out } => {
             let summary = backup::backup(&cli.db, &out)?;
             eprintln!(
@@ -177,6 +221,32 @@ pub fn run() -> Result<i32> {
             Ok(if summary.report.ok() { 0 } else { 1 })
         }
     }
+}
+
+/// `idem migrate`: under the process lock, so never beneath a running server.
+fn migrate(db: &std::path::Path) -> Result<i32> {
+    let mut conn = store::open_existing(db)?;
+    let _lock = store::ProcessLock::acquire(db)?;
+    let done = store::migrate(&mut conn, fault_from_env()?).map_err(|e| match e {
+        Error::Db(e) => Error::Other(format!("database {}: {e}", db.display())),
+        Error::Other(why) => Error::Other(format!("database {}: {why}", db.display())),
+        other => other,
+    })?;
+    if done.from == done.to {
+        println!(
+            "database {} is at schema version {}: nothing to do",
+            db.display(),
+            done.to
+        );
+    } else {
+        println!(
+            "migrated database {} from schema version {} to {}",
+            db.display(),
+            done.from,
+            done.to
+        );
+    }
+    Ok(0)
 }
 
 fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
@@ -205,11 +275,7 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
         header_bytes_max: args.header_bytes_max as usize,
         connections_max: args.connections_max as usize,
     };
-    if let Ok(fault) = std::env::var("IDEM_FAULT") {
-        let point = FaultPoint::parse(&fault)
-            .ok_or_else(|| Error::Usage(format!("IDEM_FAULT: unknown fault point '{fault}'")))?;
-        config.fault = Some(point);
-    }
+    config.fault = fault_from_env()?;
     // Signal handlers are installed before the server starts, so a signal
     // that arrives right after "listening" is never the default (fatal) one.
     let signals = tokio::runtime::Builder::new_current_thread()

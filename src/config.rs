@@ -152,6 +152,9 @@ pub enum FaultPoint {
     AfterRecoveryPoint,
     /// The ledger phase is committed; the response is not yet written.
     AfterCommit,
+    /// A schema migration step ran its SQL; its transaction has not
+    /// committed (the database must stay at the previous version).
+    InMigration,
 }
 
 impl FaultPoint {
@@ -161,6 +164,7 @@ impl FaultPoint {
             "after_acquirer" => FaultPoint::AfterAcquirer,
             "after_recovery_point" => FaultPoint::AfterRecoveryPoint,
             "after_commit" => FaultPoint::AfterCommit,
+            "in_migration" => FaultPoint::InMigration,
             _ => return None,
         })
     }

@@ -77,6 +77,9 @@ impl Server {
     /// (its memory of keys kept next to the database, in `<db>.acquirer`).
     pub fn start(config: Config) -> Result<Server> {
         refuse_memory(&config)?;
+        // Before the simulator creates its file beside the database: a
+        // wrong --db is reported with its path, not as a bare I/O error.
+        store::preflight(&config.db)?;
         let journal = Simulator::journal_path(&config.db);
         let acquirer = Simulator::with_journal(config.acquirer_latency, &journal)?;
         Server::start_with_acquirer(config, Arc::new(acquirer))
@@ -100,16 +103,12 @@ impl Server {
     pub fn start_with_acquirer(config: Config, acquirer: Arc<dyn Acquirer>) -> Result<Server> {
         refuse_memory(&config)?;
         config.http.validate().map_err(Error::Config)?;
+        store::preflight(&config.db)?;
         let lock = ProcessLock::acquire(&config.db)?;
-        let conn = store::open_rw(&config.db, config.synchronous)?;
+        let conn = store::open_rw(&config.db, config.synchronous, config.fault)?;
         if config.verify_on_start {
             check_on_start(&config.db, &conn)?;
         }
-        let initial_key = if consumers::count(&conn)? == 0 {
-            Some(consumers::create(&conn, "default")?.1)
-        } else {
-            None
-        };
         let metrics = Arc::new(Metrics::default());
         let readers = Readers::open(&config.db, config.workers + OPERATION_THREADS + 2)?;
         let writer = Writer::start(conn, config.commit_batch_max, Arc::clone(&metrics));
@@ -157,6 +156,18 @@ impl Server {
                     return Err(e);
                 }
             };
+        // The `default` consumer is created only now that the server can
+        // run: its key is shown once, so a start that fails (the port is
+        // taken) must not have created it.
+        let initial_key = match app.create_first_consumer("default") {
+            Ok(key) => key,
+            Err(e) => {
+                let mut http = http;
+                http.shutdown();
+                app.stop();
+                return Err(e);
+            }
+        };
         let url = format!("http://{}", http.addr());
         let reaper = Reaper::start(Arc::clone(&app));
         Ok(Server {
@@ -183,8 +194,9 @@ impl Server {
         &self.app.config.db
     }
 
-    /// The key of the `default` consumer if this start created it (first
-    /// start on an empty database); `None` ever after.
+    /// The key of the `default` consumer if this start created it (the first
+    /// start that got as far as listening, on a database with no consumer);
+    /// `None` ever after.
     pub fn initial_key(&self) -> Option<&str> {
         self.initial_key.as_deref()
     }

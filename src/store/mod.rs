@@ -1,33 +1,42 @@
-//! Opening the database: pragmas, the schema and its migrations, the process
+//! Opening the database: pragmas, the schema and its migrations
+//! ([`migrate`], in `migrations.rs`), the process
 //! lock; and the two ways in: the single writer thread ([`Writer`]) and the
 //! pool of read-only connections ([`Readers`]).
 
+mod migrations;
 mod readers;
 mod writer;
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 
-use rusqlite::{Connection, OpenFlags, TransactionBehavior};
+use rusqlite::{Connection, ErrorCode, OpenFlags};
 
-use crate::config::{Synchronous, BUSY_TIMEOUT};
+use crate::config::{FaultPoint, Synchronous, BUSY_TIMEOUT};
 use crate::error::{Error, Result};
 
+pub use migrations::{migrate, Migrated, SCHEMA_VERSION};
 pub use readers::Readers;
 pub use writer::Writer;
 
-/// The schema, embedded at build time.
-pub const SCHEMA_SQL: &str = include_str!("../../schema.sql");
-/// The `PRAGMA user_version` this build writes and understands.
-pub const SCHEMA_VERSION: i64 = 1;
-
 /// Opens (creating if needed) a read-write connection with the pragmas every
-/// writing connection needs, and brings the schema up to date.
-pub fn open_rw(path: &Path, synchronous: Synchronous) -> Result<Connection> {
-    let mut conn = Connection::open(path)
-        .map_err(|e| Error::Other(format!("cannot open database {}: {e}", path.display())))?;
+/// writing connection needs, and brings the schema up to date ([`migrate`];
+/// `fault` is for the crash test of a migration). Every failure names the
+/// path and says what to do.
+pub fn open_rw(
+    path: &Path,
+    synchronous: Synchronous,
+    fault: Option<FaultPoint>,
+) -> Result<Connection> {
+    preflight(path)?;
+    let mut conn = Connection::open(path).map_err(|e| cannot_open(path, e))?;
     conn.busy_timeout(BUSY_TIMEOUT)?;
-    let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
+    // Before anything writes (switching to WAL rewrites the header): a
+    // database from a newer idem, or another program's, is refused untouched.
+    migrations::refuse_foreign_or_newer(&conn).map_err(|e| in_database(path, e))?;
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
+        .map_err(|e| cannot_open(path, e))?;
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(Error::Other(format!(
             "database {} cannot use WAL (journal_mode is {mode})",
@@ -35,48 +44,148 @@ pub fn open_rw(path: &Path, synchronous: Synchronous) -> Result<Connection> {
         )));
     }
     conn.pragma_update(None, "synchronous", synchronous.pragma())?;
+    migrate(&mut conn, fault).map_err(|e| in_database(path, e))?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
-    migrate(&mut conn)?;
     Ok(conn)
 }
 
-/// Opens an existing database read-write without creating it (for `verify`).
+/// Opens an existing database read-write without creating it or changing
+/// its schema, for the commands that only read or check it (`verify`,
+/// `backup`, `consumers list`, `migrate`). A database newer than this build
+/// is refused.
 pub fn open_existing(path: &Path) -> Result<Connection> {
+    if path.is_dir() {
+        return Err(Error::Other(format!(
+            "--db {} is a directory; pass the path of an idem database file",
+            path.display()
+        )));
+    }
     if !path.exists() {
-        return Err(Error::Other(format!("no database at {}", path.display())));
+        return Err(Error::Other(format!(
+            "no database at {} (check --db or IDEM_DB; `idem serve` creates a new one)",
+            path.display()
+        )));
     }
     let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE)
-        .map_err(|e| Error::Other(format!("cannot open database {}: {e}", path.display())))?;
+        .map_err(|e| cannot_open(path, e))?;
     conn.busy_timeout(BUSY_TIMEOUT)?;
-    check_version(&conn)?;
+    let found = migrations::version(&conn).map_err(|e| in_database(path, e))?;
+    if found > SCHEMA_VERSION {
+        return Err(in_database(
+            path,
+            Error::SchemaTooNew {
+                found,
+                supported: SCHEMA_VERSION,
+            },
+        ));
+    }
     Ok(conn)
 }
 
-fn check_version(conn: &Connection) -> Result<i64> {
-    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-    if version > SCHEMA_VERSION {
-        return Err(Error::SchemaTooNew {
-            found: version,
-            supported: SCHEMA_VERSION,
-        });
+/// [`open_existing`], refusing a database at an older schema version too:
+/// the checks of `idem verify` are written for the current schema.
+pub fn open_current(path: &Path) -> Result<Connection> {
+    let conn = open_existing(path)?;
+    let found = migrations::version(&conn)?;
+    if found < SCHEMA_VERSION {
+        return Err(Error::Other(format!(
+            "database {} is at schema version {found}, older than this idem's {SCHEMA_VERSION}; \
+             run `idem migrate --db {}` first (back it up with `idem backup` before, if you like)",
+            path.display(),
+            path.display()
+        )));
     }
-    Ok(version)
+    Ok(conn)
 }
 
-/// Applies the schema in one IMMEDIATE transaction when the database is new;
-/// refuses a database written by a newer idem.
-pub fn migrate(conn: &mut Connection) -> Result<()> {
-    if check_version(conn)? == SCHEMA_VERSION {
-        return Ok(());
+/// Checks, before anything is created, that `path` can be a database here:
+/// its directory exists and is writable (SQLite creates `-wal` and `-shm`
+/// files beside it, and the server a `.lock` file), and it is not a
+/// directory. The errors say which path is wrong and what to do, instead of
+/// a bare "No such file or directory".
+pub fn preflight(path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let fail = |why: String| {
+        Err(Error::Other(format!(
+            "cannot open database {}: {why}",
+            path.display()
+        )))
+    };
+    match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return fail(format!(
+                "the directory {} does not exist; create it (mkdir -p {}) or pass another --db",
+                dir.display(),
+                dir.display()
+            ))
+        }
+        Err(e) => return fail(format!("cannot reach the directory {}: {e}", dir.display())),
+        Ok(m) if !m.is_dir() => return fail(format!("{} is not a directory", dir.display())),
+        Ok(_) => {}
     }
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    // Re-read under the write lock: another process may have migrated.
-    if check_version(&tx)? == 0 {
-        tx.execute_batch(SCHEMA_SQL)?;
-        tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+    if path.is_dir() {
+        return fail("it is a directory; pass the path of a database file".into());
     }
-    tx.commit()?;
+    if !writable(dir) {
+        return fail(format!(
+            "the directory {} is not writable by this user (idem keeps the database, its -wal \
+             and -shm files and a .lock file there); fix its permissions or pass another --db",
+            dir.display()
+        ));
+    }
     Ok(())
+}
+
+/// Whether this process may create files in `dir` (access(2), which also
+/// says no on a read-only file system).
+fn writable(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
+    unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) == 0 }
+}
+
+/// An SQLite error met while opening `path`, with the path and a hint.
+fn cannot_open(path: &Path, e: rusqlite::Error) -> Error {
+    let hint = match e.sqlite_error_code() {
+        Some(ErrorCode::NotADatabase) => {
+            "it is not an SQLite database; pass the path of an idem database, or a new path \
+             to create one"
+        }
+        Some(ErrorCode::CannotOpen) => {
+            "check that the file and its directory exist and are readable and writable"
+        }
+        Some(ErrorCode::ReadOnly) | Some(ErrorCode::PermissionDenied) => {
+            "the file or its directory is read-only for this user"
+        }
+        Some(ErrorCode::DatabaseCorrupt) => "the file is damaged; restore it from a backup",
+        _ => "",
+    };
+    let sep = if hint.is_empty() { "" } else { "; " };
+    Error::Other(format!(
+        "cannot open database {}: {e}{sep}{hint}",
+        path.display()
+    ))
+}
+
+/// An error about the database at `path`, named.
+fn in_database(path: &Path, e: Error) -> Error {
+    match e {
+        Error::SchemaTooNew { found, supported } => Error::Other(format!(
+            "database {} has schema version {found}, newer than this idem's {supported}; \
+             run the idem release that wrote it (or a newer one), or restore a backup taken \
+             before the upgrade",
+            path.display()
+        )),
+        Error::Db(e) => cannot_open(path, e),
+        Error::Other(why) => Error::Other(format!("database {}: {why}", path.display())),
+        other => other,
+    }
 }
 
 /// Held for as long as a server runs: a second `idem serve` on the same
