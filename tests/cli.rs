@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 use std::time::Duration;
 
@@ -296,4 +297,204 @@ fn serve_budgets_file_descriptors() {
         stderr.contains("the descriptor limit is 256") && stderr.contains("--connections-max"),
         "{stderr}"
     );
+}
+
+/// `idem serve ARGS --db DB`, run to its exit (for starts that must fail).
+fn serve_once(db: &std::path::Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("serve")
+        .arg("--db")
+        .arg(db)
+        .args(args)
+        .env_remove("IDEM_FAULT")
+        .output()
+        .expect("run idem serve")
+}
+
+fn consumer_count(db: &std::path::Path) -> i64 {
+    rusqlite::Connection::open(db)
+        .unwrap()
+        .query_row("SELECT count(*) FROM consumers", [], |r| r.get(0))
+        .unwrap()
+}
+
+#[test]
+fn a_first_start_that_cannot_listen_creates_no_default_consumer() {
+    let dir = TempDir::new("first-start");
+    let db = dir.db();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = serve_once(&db, &["--addr", &addr]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(!stderr.contains("sk_"), "no key was shown: {stderr}");
+    assert_eq!(
+        consumer_count(&db),
+        0,
+        "a key nobody saw would make the default consumer unusable"
+    );
+    drop(taken);
+    // The next start that can listen creates it and shows its key once.
+    let server = ChildServer::start(&db, &[], &[]);
+    let key = server.initial_key.clone().expect("the key is shown now");
+    assert_eq!(
+        Client::new(server.addr, &key).get("/v1/charges").status,
+        200
+    );
+    server.kill();
+    let again = ChildServer::start(&db, &[], &[]);
+    assert_eq!(again.initial_key, None, "never shown twice");
+    assert_eq!(consumer_count(&db), 1);
+}
+
+/// Runs `idem ARGS` as an unprivileged user when the tests run as root
+/// (root writes anywhere), so that a read-only directory is read-only.
+fn idem_unprivileged(args: &[&str]) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    cmd.args(args).env_remove("IDEM_DB");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        cmd.uid(65534).gid(65534);
+    }
+    cmd.output().expect("run idem")
+}
+
+#[test]
+fn database_paths_that_cannot_work_are_named_with_what_to_do() {
+    let dir = TempDir::new("db-paths");
+    let missing_dir = dir.0.join("no/such/dir/x.db");
+    let out = serve_once(&missing_dir, &["--addr", "127.0.0.1:0"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(missing_dir.to_str().unwrap())
+            && err.contains("does not exist")
+            && err.contains("mkdir -p"),
+        "{err}"
+    );
+    assert!(!dir.0.join("no").exists(), "nothing created");
+
+    // A directory the server's user cannot write to.
+    let locked = dir.0.join("locked");
+    std::fs::create_dir(&locked).unwrap();
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let db = locked.join("x.db");
+    let out = idem_unprivileged(&[
+        "serve",
+        "--db",
+        db.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(db.to_str().unwrap()) && err.contains("not writable"),
+        "{err}"
+    );
+
+    // A file that is not a database, and one that is someone else's.
+    let garbage = dir.0.join("notes.db");
+    std::fs::write(&garbage, "these are my notes, not a database ".repeat(40)).unwrap();
+    let foreign = dir.0.join("theirs.db");
+    rusqlite::Connection::open(&foreign)
+        .unwrap()
+        .execute_batch("CREATE TABLE photos (id INTEGER PRIMARY KEY, path TEXT)")
+        .unwrap();
+    let foreign_before = std::fs::read(&foreign).unwrap();
+    for (db, says) in [
+        (&garbage, "not an SQLite database"),
+        (&foreign, "not an idem database"),
+    ] {
+        let out = serve_once(db, &["--addr", "127.0.0.1:0"]);
+        assert_eq!(out.status.code(), Some(1));
+        let err = text(&out.stderr);
+        assert!(
+            err.contains(db.to_str().unwrap()) && err.contains(says),
+            "{err}"
+        );
+        let out = idem(&["consumers", "create", "x", "--db", db.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(text(&out.stderr).contains(says), "{}", text(&out.stderr));
+    }
+    assert!(
+        std::fs::read(&foreign).unwrap() == foreign_before,
+        "their file is left as it was"
+    );
+    for suffix in ["-wal", "-shm"] {
+        let mut wal = foreign.as_os_str().to_owned();
+        wal.push(suffix);
+        assert!(
+            !std::path::Path::new(&wal).exists(),
+            "{suffix} not created beside their file"
+        );
+    }
+
+    // A directory given as --db.
+    let out = idem(&["verify", "--db", dir.0.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("is a directory"));
+}
+
+#[test]
+fn addr_takes_host_names_and_help_says_which_commands_create_the_database() {
+    let dir = TempDir::new("addr");
+    let db = dir.db();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args([
+            "serve",
+            "--db",
+            db.to_str().unwrap(),
+            "--addr",
+            "localhost:0",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let listening = std::io::BufRead::lines(stderr)
+        .map(|l| l.unwrap())
+        .find(|l| l.starts_with("listening on"))
+        .expect("a listening line");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        listening.starts_with("listening on http://127.0.0.1:"),
+        "localhost is its IPv4 address: {listening}"
+    );
+    for bad in [
+        "no-such-host.invalid:8080",
+        "localhost",
+        ":8080",
+        "localhost:99999",
+    ] {
+        let out = idem(&["serve", "--db", db.to_str().unwrap(), "--addr", bad]);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {}", text(&out.stderr));
+    }
+
+    for command in [
+        &["verify"][..],
+        &["consumers", "list"],
+        &["backup", "x"],
+        &["migrate"],
+    ] {
+        let mut args = command.to_vec();
+        args.push("--help");
+        let help = text(&idem(&args).stdout);
+        assert!(
+            help.contains("need an existing one") && !help.contains("on first use"),
+            "{command:?}: --db's help must not promise to create the database:\n{help}"
+        );
+    }
+    for command in [&["backup", "out.db"][..], &["migrate"]] {
+        let mut args = command.to_vec();
+        let missing = dir.0.join("missing.db");
+        args.extend(["--db", missing.to_str().unwrap()]);
+        let out = idem(&args);
+        assert_eq!(out.status.code(), Some(1), "{command:?}");
+        assert!(text(&out.stderr).contains("no database"), "{command:?}");
+        assert!(!missing.exists(), "{command:?} created nothing");
+    }
 }
