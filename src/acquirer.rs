@@ -35,6 +35,19 @@ pub trait Acquirer: Send + Sync {
         amount: i64,
         currency: &str,
     ) -> Result<Authorization, Unavailable>;
+
+    /// Captures `amount` (at most what was authorised) of `authorization`;
+    /// the rest of the authorization is released. Calls with the same `key`
+    /// capture once.
+    fn capture(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable>;
+
+    /// Voids `authorization` (releases the hold on the card). Calls with the
+    /// same `key` void once.
+    fn void(&self, key: &str, authorization: &str) -> Result<(), Unavailable>;
+
+    /// Refunds `amount` of the captured `authorization`. Calls with the same
+    /// `key` refund once.
+    fn refund(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable>;
 }
 
 /// Approves everything after a fixed latency, deduplicating by key. When
@@ -111,6 +124,18 @@ impl Acquirer for Simulator {
         }
         authorized.insert(key.to_string(), id.clone());
         Ok(Authorization { id })
+    }
+
+    fn capture(&self, _key: &str, _authorization: &str, _amount: i64) -> Result<(), Unavailable> {
+        Ok(())
+    }
+
+    fn void(&self, _key: &str, _authorization: &str) -> Result<(), Unavailable> {
+        Ok(())
+    }
+
+    fn refund(&self, _key: &str, _authorization: &str, _amount: i64) -> Result<(), Unavailable> {
+        Ok(())
     }
 }
 

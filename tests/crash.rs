@@ -269,6 +269,28 @@ impl Acquirer for StuckFirstCall {
         }
         self.inner.authorize(key, amount, currency)
     }
+
+    fn capture(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+    ) -> Result<(), idem::acquirer::Unavailable> {
+        self.inner.capture(key, authorization, amount)
+    }
+
+    fn void(&self, key: &str, authorization: &str) -> Result<(), idem::acquirer::Unavailable> {
+        self.inner.void(key, authorization)
+    }
+
+    fn refund(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+    ) -> Result<(), idem::acquirer::Unavailable> {
+        self.inner.refund(key, authorization, amount)
+    }
 }
 
 /// Owner A sends `key` and stalls (it signals `stalled`); once its lock is

@@ -214,6 +214,18 @@ impl Acquirer for Flaky {
         }
         self.inner.authorize(key, amount, currency)
     }
+
+    fn capture(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable> {
+        self.inner.capture(key, authorization, amount)
+    }
+
+    fn void(&self, key: &str, authorization: &str) -> Result<(), Unavailable> {
+        self.inner.void(key, authorization)
+    }
+
+    fn refund(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable> {
+        self.inner.refund(key, authorization, amount)
+    }
 }
 
 #[test]

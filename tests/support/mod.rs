@@ -424,10 +424,14 @@ pub fn eventually<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
-/// The acquirer simulator, counting its calls: shows that an authorization
-/// is never asked for twice.
+/// The acquirer simulator, counting its calls by kind: shows that an
+/// authorization is never asked for twice, and that a capture or a void
+/// happens once.
 pub struct CountingAcquirer {
     calls: std::sync::atomic::AtomicUsize,
+    captures: std::sync::atomic::AtomicUsize,
+    voids: std::sync::atomic::AtomicUsize,
+    refunds: std::sync::atomic::AtomicUsize,
     inner: idem::acquirer::Simulator,
 }
 
@@ -435,12 +439,28 @@ impl CountingAcquirer {
     pub fn new() -> std::sync::Arc<CountingAcquirer> {
         std::sync::Arc::new(CountingAcquirer {
             calls: Default::default(),
+            captures: Default::default(),
+            voids: Default::default(),
+            refunds: Default::default(),
             inner: idem::acquirer::Simulator::new(Duration::ZERO),
         })
     }
 
+    /// `authorize` calls.
     pub fn calls(&self) -> usize {
         self.calls.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub fn captures(&self) -> usize {
+        self.captures.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub fn voids(&self) -> usize {
+        self.voids.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub fn refunds(&self) -> usize {
+        self.refunds.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -453,5 +473,32 @@ impl idem::acquirer::Acquirer for CountingAcquirer {
     ) -> Result<idem::acquirer::Authorization, idem::acquirer::Unavailable> {
         self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.inner.authorize(key, amount, currency)
+    }
+
+    fn capture(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+    ) -> Result<(), idem::acquirer::Unavailable> {
+        self.captures
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.capture(key, authorization, amount)
+    }
+
+    fn void(&self, key: &str, authorization: &str) -> Result<(), idem::acquirer::Unavailable> {
+        self.voids.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.void(key, authorization)
+    }
+
+    fn refund(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+    ) -> Result<(), idem::acquirer::Unavailable> {
+        self.refunds
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.refund(key, authorization, amount)
     }
 }
