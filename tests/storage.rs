@@ -141,6 +141,87 @@ fn serve_refuses_a_database_that_fails_integrity_check() {
     assert!(!out.contains("listening on"), "{out}");
 }
 
+/// Sends SIGTERM to a child `idem serve` and waits for its clean exit.
+fn terminate(server: support::ChildServer) {
+    let pid = libc::pid_t::try_from(server.child.id()).unwrap();
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let status = server.wait_exit(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "clean shutdown");
+}
+
+/// A ledger any tenant can build with ordinary charges: two pairs of
+/// accounts, each moving thousands of maximal charges, until the two credited
+/// balances are each past i64::MAX / 2. Every balance is in range and they
+/// sum to 0, but SQLite's running `sum(balance)` leaves i64 on the way; the
+/// checks must still pass: `idem verify`, the startup check of a restart on
+/// the same file, and `idem backup`'s check of its copy.
+#[test]
+fn a_ledger_near_the_edges_of_i64_verifies_restarts_and_backs_up() {
+    let dir = TempDir::new("i64-edges");
+    let db = dir.db();
+    let server = support::ChildServer::start(&db, &["--synchronous", "normal"], &[]);
+    let client = Client::new(server.addr, server.initial_key.as_deref().unwrap());
+    // The credited accounts first, so a running sum in rowid (or id) order
+    // adds both of them before their counterparts.
+    let pairs = [("a-up", "c-down"), ("b-up", "d-down")];
+    for (up, _) in pairs {
+        client.account(up, false);
+    }
+    for (_, down) in pairs {
+        client.account(down, true);
+    }
+    let amount = idem::config::AMOUNT_MINOR_MAX;
+    let per_pair = i64::MAX / 2 / amount + 5;
+    let threads = 8;
+    let workers: Vec<_> = (0..threads)
+        .map(|t| {
+            let client = client.clone();
+            std::thread::spawn(move || {
+                for i in (t..2 * per_pair).step_by(threads as usize) {
+                    let (up, down) = pairs[(i % 2) as usize];
+                    let body = json!({"amount": amount, "currency": "BRL",
+                                      "source": down, "destination": up});
+                    let r = client.charge(&format!("edge-{i}"), &body);
+                    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    for (up, down) in pairs {
+        assert_eq!(client.balance(up), per_pair * amount);
+        assert_eq!(client.balance(down), -per_pair * amount);
+    }
+    // The case is real: SQLite's own sum of these balances overflows.
+    let overflow = read_only(&db)
+        .query_row("SELECT sum(balance) FROM accounts", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .unwrap_err();
+    assert!(
+        overflow.to_string().contains("integer overflow"),
+        "{overflow}"
+    );
+
+    terminate(server);
+    support::assert_verified(&db);
+    let restarted = support::ChildServer::start(&db, &[], &[]);
+    let client = Client::new(restarted.addr, &client.key);
+    let one = json!({"amount": 1, "currency": "BRL", "source": "c-down", "destination": "a-up"});
+    assert_eq!(client.charge("after", &one).status, 201);
+    let out = dir.0.join("copy.db");
+    let (code, report) = run_idem(
+        &["backup", out.to_str().unwrap()],
+        &db,
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, 0, "{report}");
+    assert!(report.contains("ok: integrity"), "{report}");
+}
+
 /// Charges that keep coming while the backup runs; the copy holds every
 /// charge acknowledged before the backup started, and passes verify.
 #[test]
