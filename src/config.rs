@@ -114,6 +114,17 @@ pub const REFUSAL_LINGER: Duration = Duration::from_millis(500);
 /// How long `idem backup` waits for a lock it cannot take (a checkpoint that
 /// truncates the WAL, another process's exclusive lock) before giving up.
 pub const BACKUP_BUSY_MAX: Duration = Duration::from_secs(30);
+/// How long `idem backup` sleeps before it tries a lock again.
+pub const BACKUP_BUSY_RETRY_DELAY: Duration = Duration::from_millis(20);
+/// Names `idem backup` tries for its partial file before giving up; more
+/// than one is needed only when another backup removes a stale partial in
+/// the instant between this one's creating and locking it.
+pub const BACKUP_PARTIAL_CREATE_ATTEMPTS: usize = 8;
+/// Pages `idem backup` copies per step (4 MiB at SQLite's default 4 KiB
+/// page): the whole copy is still one snapshot, and between two steps it
+/// notices SIGINT or SIGTERM, so it stops within one step's copy (a few
+/// milliseconds) and removes its partial file.
+pub const BACKUP_STEP_PAGES: std::ffi::c_int = 1024;
 /// How long shutdown waits for in-flight requests before closing anyway.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// SQLite busy timeout of every connection: how long a statement waits for a

@@ -143,9 +143,7 @@ fn serve_refuses_a_database_that_fails_integrity_check() {
 
 /// Sends SIGTERM to a child `idem serve` and waits for its clean exit.
 fn terminate(server: support::ChildServer) {
-    let pid = libc::pid_t::try_from(server.child.id()).unwrap();
-    // SAFETY: kill(2) on our own child's pid; no memory is involved.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    signal(&server.child, libc::SIGTERM);
     let status = server.wait_exit(Duration::from_secs(30));
     assert_eq!(status.code(), Some(0), "clean shutdown");
 }
@@ -301,6 +299,165 @@ fn online_backup_while_serving_is_consistent() {
     let restored = support::ChildServer::start(&out, &[], &[]);
     let restored_client = Client::new(restored.addr, &client.key);
     assert_eq!(restored_client.all_charges().len(), charges);
+}
+
+/// `ledger_on_disk` grown past 20 MiB with accounts whose metadata is
+/// large, so that `idem backup` copies it in several steps (4 MiB each).
+fn large_ledger_on_disk(dir: &TempDir) -> PathBuf {
+    let db = ledger_on_disk(dir);
+    let conn = Connection::open(&db).unwrap();
+    conn.execute(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 24) \
+         INSERT INTO accounts (consumer_id, public_id, currency, allow_negative, metadata, \
+         created_at) SELECT 1, 'pad-' || i, 'BRL', 0, \
+         json_object('pad', hex(randomblob(512 * 1024))), 0 FROM n",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    assert!(std::fs::metadata(&db).unwrap().len() > 20 << 20);
+    db
+}
+
+/// `idem backup OUT --db DB` as a child, each step of its copy delayed.
+fn spawn_backup(db: &Path, out: &Path, step_delay: &str) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["backup", "--db"])
+        .arg(db)
+        .arg(out)
+        .env("IDEM_BACKUP_STEP_DELAY", step_delay)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idem backup")
+}
+
+/// Files in `dir` whose name starts with `prefix`, sorted.
+fn files_starting(dir: &Path, prefix: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(prefix))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Waits until the backup to `out` has written part of its copy: its
+/// partial file exists and holds pages. Returns the partial file's name.
+fn wait_mid_copy(dir: &Path, out: &str, backup: &mut std::process::Child) -> String {
+    let prefix = format!("{out}.partial-");
+    support::eventually(Duration::from_secs(30), || {
+        assert!(backup.try_wait().unwrap().is_none(), "the backup ended");
+        files_starting(dir, &prefix).into_iter().find(|name| {
+            name.len() == prefix.len() + 32
+                && std::fs::metadata(dir.join(name)).is_ok_and(|m| m.len() > 0)
+        })
+    })
+}
+
+fn signal(child: &std::process::Child, signal: libc::c_int) {
+    let pid = libc::pid_t::try_from(child.id()).unwrap();
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+}
+
+/// Waits for a child to exit: (exit code, stdout and stderr).
+fn finish(child: std::process::Child) -> (Option<i32>, String) {
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// SIGTERM or SIGINT in the middle of the copy: the backup removes its
+/// partial file (and what SQLite kept beside it), writes no OUT, and exits 1
+/// saying so.
+#[test]
+fn a_backup_stopped_by_a_signal_removes_its_partial_copy() {
+    let dir = TempDir::new("backup-signal");
+    let db = large_ledger_on_disk(&dir);
+    // The test hook refuses what it cannot read, before anything is written.
+    let (code, out) = finish(spawn_backup(&db, &dir.0.join("copy.db"), "soon"));
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("IDEM_BACKUP_STEP_DELAY"), "{out}");
+    assert_eq!(files_starting(&dir.0, "copy.db"), Vec::<String>::new());
+
+    for (sig, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
+        let mut backup = spawn_backup(&db, &dir.0.join("copy.db"), "2s");
+        wait_mid_copy(&dir.0, "copy.db", &mut backup);
+        signal(&backup, sig);
+        let (code, out) = finish(backup);
+        assert_eq!(code, Some(1), "{name}: {out}");
+        assert!(
+            out.contains(&format!(
+                "backup interrupted by {name}: removed its partial copy"
+            )),
+            "{name}: {out}"
+        );
+        assert_eq!(files_starting(&dir.0, "copy.db"), Vec::<String>::new());
+    }
+}
+
+/// A backup killed outright (SIGKILL) cannot clean up: its partial file
+/// stays, and the next backup to the same OUT removes it.
+#[test]
+fn a_partial_copy_left_by_a_killed_backup_is_removed_by_the_next() {
+    let dir = TempDir::new("backup-kill");
+    let db = large_ledger_on_disk(&dir);
+    let out = dir.0.join("copy.db");
+    let mut backup = spawn_backup(&db, &out, "2s");
+    let partial = wait_mid_copy(&dir.0, "copy.db", &mut backup);
+    backup.kill().unwrap();
+    backup.wait().unwrap();
+    assert!(files_starting(&dir.0, "copy.db").contains(&partial));
+
+    let (code, report) = run_idem(
+        &["backup", out.to_str().unwrap()],
+        &db,
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, 0, "{report}");
+    assert!(
+        report.contains(&format!("removed {}", dir.0.join(&partial).display())),
+        "{report}"
+    );
+    assert_eq!(files_starting(&dir.0, "copy.db"), ["copy.db"]);
+    support::assert_verified(&out);
+}
+
+/// Two backups of one OUT at once: the second never touches the partial
+/// file of the first, which is still copying; that one still cleans up.
+#[test]
+fn a_backup_leaves_the_partial_copy_of_a_running_backup_alone() {
+    let dir = TempDir::new("backup-concurrent");
+    let db = large_ledger_on_disk(&dir);
+    let out = dir.0.join("copy.db");
+    let mut first = spawn_backup(&db, &out, "3s");
+    let partial = wait_mid_copy(&dir.0, "copy.db", &mut first);
+    let before = files_starting(&dir.0, &partial);
+
+    let (code, report) = run_idem(
+        &["backup", out.to_str().unwrap()],
+        &db,
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, 0, "{report}");
+    assert!(!report.contains("removed"), "{report}");
+    assert!(first.try_wait().unwrap().is_none(), "the first is running");
+    assert_eq!(
+        files_starting(&dir.0, &partial),
+        before,
+        "the first backup's files are untouched"
+    );
+
+    signal(&first, libc::SIGTERM);
+    let (code, report) = finish(first);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(files_starting(&dir.0, "copy.db"), ["copy.db"]);
+    support::assert_verified(&out);
 }
 
 /// A size-limited tmpfs mounted for one test, unmounted on drop.
