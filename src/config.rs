@@ -125,6 +125,15 @@ pub const BACKUP_PARTIAL_CREATE_ATTEMPTS: usize = 8;
 /// notices SIGINT or SIGTERM, so it stops within one step's copy (a few
 /// milliseconds) and removes its partial file.
 pub const BACKUP_STEP_PAGES: std::ffi::c_int = 1024;
+/// Size the writer's WAL file is cut back to (SQLite's
+/// `journal_size_limit`) once a checkpoint has reset it. In normal running
+/// the WAL cycles at about 4 MiB (SQLite checkpoints every 1000 pages of
+/// 4 KiB), well under this, so it is never cut and regrown. While a reader
+/// holds an old snapshot (an `idem backup` copying) no checkpoint can reset
+/// it and it grows with every commit, about 25 MB a second under load; after
+/// such a reader the file shrinks back to this instead of staying at its
+/// high-water mark.
+pub const WAL_SIZE_LIMIT_BYTES: i64 = 16 << 20;
 /// How long shutdown waits for in-flight requests before closing anyway.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// SQLite busy timeout of every connection: how long a statement waits for a

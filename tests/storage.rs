@@ -460,6 +460,76 @@ fn a_backup_leaves_the_partial_copy_of_a_running_backup_alone() {
     support::assert_verified(&out);
 }
 
+/// Size of a database's `-wal` file (0 if there is none).
+fn wal_size(db: &Path) -> u64 {
+    let mut wal = db.as_os_str().to_owned();
+    wal.push("-wal");
+    std::fs::metadata(PathBuf::from(wal)).map_or(0, |m| m.len())
+}
+
+/// While `idem backup` holds its snapshot, no checkpoint can reset the WAL
+/// and every commit makes it longer; once the backup ends and a few more
+/// commits come in, the file is cut back to `WAL_SIZE_LIMIT_BYTES` instead
+/// of staying at its high-water mark until shutdown.
+#[test]
+fn the_wal_shrinks_back_after_a_backup_under_load() {
+    let limit = u64::try_from(idem::config::WAL_SIZE_LIMIT_BYTES).unwrap();
+    let dir = TempDir::new("backup-wal");
+    let (server, client) = support::server(|c| c.db = dir.db());
+    let db = server.db_path().to_path_buf();
+    let acked = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let (client, acked, stop) = (client.clone(), acked.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let r = client.charge(&format!("w{w}-{i}"), &charge_body(3));
+                    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+                    acked.fetch_add(1, Ordering::SeqCst);
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    support::eventually(Duration::from_secs(30), || {
+        (acked.load(Ordering::SeqCst) >= 100).then_some(())
+    });
+
+    // The backup holds its snapshot (before its first step) until the WAL
+    // has grown well past the limit, then ends.
+    let mut backup = spawn_backup(&db, &dir.0.join("copy.db"), "120s");
+    support::eventually(Duration::from_secs(60), || {
+        assert!(backup.try_wait().unwrap().is_none(), "the backup ended");
+        (wal_size(&db) > 2 * limit).then_some(())
+    });
+    signal(&backup, libc::SIGTERM);
+    let (code, out) = finish(backup);
+    assert_eq!(code, Some(1), "{out}");
+
+    let ended = acked.load(Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while wal_size(&db) > limit {
+        assert!(
+            Instant::now() < deadline,
+            "the WAL is still {} bytes 15 s after the backup ended (limit {limit}), \
+             {} charges later",
+            wal_size(&db),
+            acked.load(Ordering::SeqCst) - ended
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.join().unwrap();
+    }
+    assert!(acked.load(Ordering::SeqCst) > ended, "writes went on");
+    assert!(wal_size(&db) <= limit, "WAL is {} bytes", wal_size(&db));
+    server.shutdown();
+    support::assert_verified(&db);
+}
+
 /// A size-limited tmpfs mounted for one test, unmounted on drop.
 struct SmallFs(PathBuf);
 

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
-use crate::config::{Synchronous, BUSY_TIMEOUT};
+use crate::config::{Synchronous, BUSY_TIMEOUT, WAL_SIZE_LIMIT_BYTES};
 use crate::error::{Error, Result};
 
 pub use readers::Readers;
@@ -35,6 +35,11 @@ pub fn open_rw(path: &Path, synchronous: Synchronous) -> Result<Connection> {
         )));
     }
     conn.pragma_update(None, "synchronous", synchronous.pragma())?;
+    // A reader that holds an old snapshot (idem backup) keeps checkpoints
+    // from resetting the WAL, which grows meanwhile; without a limit the
+    // file then stays at its high-water mark. With one, the first commit
+    // after a checkpoint has reset the WAL truncates the file to the limit.
+    conn.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT_BYTES)?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
     migrate(&mut conn)?;
     Ok(conn)
