@@ -1,5 +1,7 @@
-//! Storage faults: a full disk, a damaged database at startup, and an online
-//! backup taken while the server writes.
+//! Storage faults: a full disk, a damaged database at startup, an online
+//! backup taken while the server writes (its WAL afterwards, and backups
+//! signalled, killed or running side by side), and a ledger whose balances
+//! sit near the edges of i64.
 
 mod support;
 
@@ -530,13 +532,68 @@ fn the_wal_shrinks_back_after_a_backup_under_load() {
     support::assert_verified(&db);
 }
 
+/// Runs this test binary again on one test, where `mount` cannot be found
+/// (as on a machine where mounting is not allowed): (success, output).
+fn run_without_mount(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(args)
+        .env("PATH", "/nonexistent")
+        .env_remove("IDEM_TEST_REQUIRE_MOUNT")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// A disk-full test on a machine that cannot mount its tmpfs is reported
+/// as ignored by `cargo test`, never as passed; run on purpose there (as
+/// `.ci/run` does where `IDEM_TEST_REQUIRE_MOUNT` is set), it fails and
+/// says why.
+#[test]
+fn disk_full_tests_that_cannot_mount_are_ignored_or_fail_never_pass() {
+    for name in DISK_FULL_TESTS {
+        let (ok, out) = run_without_mount(&["--exact", name], &[]);
+        assert!(ok, "{out}");
+        assert!(
+            out.contains(&format!("test {name} ... ignored, {NEEDS_MOUNT}"))
+                && out.contains("0 passed; 0 failed; 1 ignored"),
+            "{out}"
+        );
+        for env in [&[("IDEM_TEST_REQUIRE_MOUNT", "1")][..], &[]] {
+            let (ok, out) = run_without_mount(&["--ignored", "--exact", name], env);
+            assert!(!ok, "{env:?}: {out}");
+            assert!(
+                out.contains(&format!("test {name} ... FAILED"))
+                    && out.contains("cannot mount a tmpfs"),
+                "{env:?}: {out}"
+            );
+        }
+    }
+}
+
+/// Why the disk-full tests are `#[ignore]`d: a plain `cargo test` lists
+/// them as ignored, wherever it runs, instead of passing without running.
+/// Where a tmpfs can be mounted, `.ci/run` runs them in a pass of their own.
+const NEEDS_MOUNT: &str =
+    "needs root to mount a tmpfs; as root: cargo test --test storage -- --ignored";
+
+/// The disk-full tests, which mount a tmpfs.
+const DISK_FULL_TESTS: [&str; 2] = [
+    "a_full_disk_answers_503_changes_nothing_and_retries_succeed_once_space_returns",
+    "a_disk_that_fills_mid_charge_leaves_a_resumable_key",
+];
+
 /// A size-limited tmpfs mounted for one test, unmounted on drop.
 struct SmallFs(PathBuf);
 
 impl SmallFs {
-    /// None when this machine cannot mount (not root): the test is skipped,
-    /// unless `IDEM_TEST_REQUIRE_MOUNT` is set (CI sets it) and then it fails.
-    fn mount(dir: &TempDir, size: &str) -> Option<SmallFs> {
+    /// Mounts it, or fails the test: a disk-full test that cannot fill a
+    /// disk has not passed. (They are `#[ignore]`d for that reason, and run
+    /// only when asked for, where a tmpfs can be mounted.)
+    fn mount(dir: &TempDir, size: &str) -> SmallFs {
         let path = dir.0.join("fs");
         std::fs::create_dir_all(&path).unwrap();
         let status = Command::new("mount")
@@ -545,16 +602,8 @@ impl SmallFs {
             .stderr(Stdio::piped())
             .output();
         match status {
-            Ok(out) if out.status.success() => Some(SmallFs(path)),
-            other => {
-                let why = format!("cannot mount a tmpfs (root needed): {other:?}");
-                assert!(
-                    std::env::var_os("IDEM_TEST_REQUIRE_MOUNT").is_none(),
-                    "{why}"
-                );
-                eprintln!("SKIPPED: {why}");
-                None
-            }
+            Ok(out) if out.status.success() => SmallFs(path),
+            other => panic!("cannot mount a tmpfs ({NEEDS_MOUNT}): {other:?}"),
         }
     }
 
@@ -619,11 +668,10 @@ fn assert_unavailable(r: &Resp, what: &str) {
 }
 
 #[test]
+#[ignore = "needs root to mount a tmpfs; as root: cargo test --test storage -- --ignored"]
 fn a_full_disk_answers_503_changes_nothing_and_retries_succeed_once_space_returns() {
     let dir = TempDir::new("disk-full");
-    let Some(fs) = SmallFs::mount(&dir, "6m") else {
-        return;
-    };
+    let fs = SmallFs::mount(&dir, "6m");
     let (server, client) = fs.server(|_| {});
     let first = client.charge("before", &charge_body(1000));
     assert_eq!(first.status, 201);
@@ -751,11 +799,10 @@ fn a_full_disk_answers_503_changes_nothing_and_retries_succeed_once_space_return
 /// the charge is told 503, its key keeps its recovery point, and once space
 /// returns the retry finishes it with the same authorisation, once.
 #[test]
+#[ignore = "needs root to mount a tmpfs; as root: cargo test --test storage -- --ignored"]
 fn a_disk_that_fills_mid_charge_leaves_a_resumable_key() {
     let dir = TempDir::new("disk-full-mid");
-    let Some(fs) = SmallFs::mount(&dir, "6m") else {
-        return;
-    };
+    let fs = SmallFs::mount(&dir, "6m");
     let mount = fs.0.clone();
     let filled = Arc::new(std::sync::Mutex::new(None::<PathBuf>));
     let hook_filled = filled.clone();
