@@ -166,7 +166,7 @@ pub fn backup(db: &Path, out: &Path, options: &Options, cancel: &Cancel) -> Resu
 fn verify_copy(out: &Path, cancel: &Cancel) -> Result<Report> {
     let conn = store::open_existing(out)?;
     cancel.interrupt_on_cancel(&conn);
-    let checked = cancel.check().and_then(|()| verify::verify(&conn));
+    let checked = verify::verify_unless(&conn, &|| cancel.reason().is_some());
     cancel.stop_interrupting();
     match (checked, cancel.reason()) {
         // A check that ran to its end stands, even if a signal came late.

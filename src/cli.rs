@@ -44,6 +44,7 @@ enum Command {
     Verify,
     /// Copy the database to OUT with SQLite's online backup API, safely while
     /// `idem serve` runs, then verify the copy. Exit 0 if the copy verifies.
+    /// SIGINT or SIGTERM stops it: its partial copy is removed, exit 1.
     Backup {
         /// Where to write the copy (must not exist): one self-contained
         /// SQLite file, to restore by starting `idem serve --db OUT`.

@@ -167,9 +167,17 @@ const CHECKS: &[(&str, Check)] = &[
 
 /// Runs every check inside one read transaction (one consistent snapshot).
 pub fn verify(conn: &Connection) -> Result<Report> {
+    verify_unless(conn, &|| false)
+}
+
+/// [`verify`], giving up with an error once `stop()` is true. It is asked
+/// before each check; to cut a long check short as well, the caller also
+/// interrupts `conn` (`InterruptHandle`): an interrupt that lands between two
+/// statements is lost, and this is what catches it.
+pub fn verify_unless(conn: &Connection, stop: &dyn Fn() -> bool) -> Result<Report> {
     let mut report = Report::default();
     conn.execute_batch("BEGIN")?;
-    let result = run_checks(conn, &mut report);
+    let result = run_checks(conn, &mut report, stop);
     let _ = conn.execute_batch("COMMIT");
     match result {
         // A damaged file can make a check itself fail: that is a finding.
@@ -183,7 +191,11 @@ pub fn verify(conn: &Connection) -> Result<Report> {
     }
 }
 
-fn run_checks(conn: &Connection, report: &mut Report) -> Result<()> {
+fn run_checks(conn: &Connection, report: &mut Report, stop: &dyn Fn() -> bool) -> Result<()> {
+    let stopped = || Error::Other("the check was stopped".into());
+    if stop() {
+        return Err(stopped());
+    }
     let integrity: Vec<String> = query_lines(conn, "PRAGMA integrity_check")?;
     if integrity != ["ok"] {
         for line in integrity {
@@ -203,6 +215,9 @@ fn run_checks(conn: &Connection, report: &mut Report) -> Result<()> {
         .collect::<rusqlite::Result<Vec<_>>>()?;
     report.failures.extend(fk);
     for (name, check) in CHECKS {
+        if stop() {
+            return Err(stopped());
+        }
         let lines = match check {
             Check::Query(sql) => query_lines(conn, sql)?,
             Check::Sums(find) => find(conn)?,
@@ -559,6 +574,20 @@ mod tests {
             ),
             "{failures:#?}"
         );
+    }
+
+    #[test]
+    fn a_check_told_to_stop_fails_instead_of_reporting() {
+        let ledger = edge_ledger();
+        let asked = std::cell::Cell::new(0);
+        let stop_at_third = || {
+            asked.set(asked.get() + 1);
+            asked.get() == 3
+        };
+        let stopped = super::verify_unless(&ledger.conn, &stop_at_third);
+        assert!(stopped.is_err(), "{stopped:?}");
+        assert_eq!(asked.get(), 3, "asked before each check until told to stop");
+        assert!(ledger.conn.is_autocommit(), "its read transaction ended");
     }
 
     #[test]

@@ -462,6 +462,58 @@ fn a_backup_leaves_the_partial_copy_of_a_running_backup_alone() {
     support::assert_verified(&out);
 }
 
+/// A signal while the finished copy is being verified interrupts the
+/// check: the copy stays (it is complete and durable), and the backup exits
+/// 1 saying it is unverified.
+#[test]
+fn a_signal_while_verifying_the_copy_interrupts_the_check() {
+    let dir = TempDir::new("backup-verify-signal");
+    let db = ledger_on_disk(&dir);
+    // Enough charges that checking them takes a while (about 2 s in a debug
+    // build): 50,000 more, balanced, written with SQL.
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TEMP TABLE n AS WITH RECURSIVE n(i) AS \
+           (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 50000) SELECT i FROM n;
+         INSERT INTO charges (consumer_id, public_id, amount, currency, source_id, \
+           destination_id, metadata, fingerprint, op_id, idempotency_key, authorization_id, \
+           created_at) SELECT 1, 'ch_bulk' || i, 1, 'BRL', \
+           (SELECT id FROM accounts WHERE public_id = 'card'), \
+           (SELECT id FROM accounts WHERE public_id = 'shop'), '{}', zeroblob(32), \
+           'op_bulk' || i, 'bulk-' || i, 'auth_bulk' || i, 0 FROM n;
+         INSERT INTO entries (public_id, account_id, amount, charge_id, created_at) \
+           SELECT 'evt_bulk_d' || id, source_id, -amount, id, 0 FROM charges \
+           WHERE public_id LIKE 'ch_bulk%' UNION ALL \
+           SELECT 'evt_bulk_c' || id, destination_id, amount, id, 0 FROM charges \
+           WHERE public_id LIKE 'ch_bulk%';
+         UPDATE accounts SET balance = balance - 50000 WHERE public_id = 'card';
+         UPDATE accounts SET balance = balance + 50000 WHERE public_id = 'shop';
+         COMMIT;",
+    )
+    .unwrap();
+    drop(conn);
+
+    let out = dir.0.join("copy.db");
+    let mut backup = spawn_backup(&db, &out, "0ms");
+    support::eventually(Duration::from_secs(30), || {
+        assert!(backup.try_wait().unwrap().is_none(), "the backup ended");
+        out.exists().then_some(())
+    });
+    signal(&backup, libc::SIGTERM);
+    let (code, report) = finish(backup);
+    assert_eq!(code, Some(1), "{report}");
+    assert!(
+        report.contains("interrupted by SIGTERM; the copy is complete but unverified"),
+        "{report}"
+    );
+    assert_eq!(files_starting(&dir.0, "copy.db"), ["copy.db"]);
+    let charges: i64 = read_only(&out)
+        .query_row("SELECT count(*) FROM charges", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(charges, 20 + 50_000, "the copy is complete");
+}
+
 /// Size of a database's `-wal` file (0 if there is none).
 fn wal_size(db: &Path) -> u64 {
     let mut wal = db.as_os_str().to_owned();
