@@ -5,6 +5,7 @@
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -46,6 +47,7 @@ enum Command {
     Verify,
     /// Copy the database to OUT with SQLite's online backup API, safely while
     /// `idem serve` runs, then verify the copy. Exit 0 if the copy verifies.
+    /// SIGINT or SIGTERM stops it: its partial copy is removed, exit 1.
     Backup {
         /// Where to write the copy (must not exist): one self-contained
         /// SQLite file, to restore by starting `idem serve --db OUT`.
@@ -214,7 +216,20 @@ pub fn run() -> Result<i32> {
         }
         Command::Migrate => migrate(&cli.db),
         Command::Backup { out } => {
-            let summary = backup::backup(&cli.db, &out)?;
+            let mut options = backup::Options::default();
+            if let Ok(delay) = std::env::var("IDEM_BACKUP_STEP_DELAY") {
+                options.step_delay = parse_duration(&delay)
+                    .map_err(|e| Error::Usage(format!("IDEM_BACKUP_STEP_DELAY: {e}")))?;
+            }
+            let cancel = Arc::new(backup::Cancel::default());
+            cancel_on_signals(Arc::clone(&cancel))?;
+            let summary = backup::backup(&cli.db, &out, &options, &cancel)?;
+            for stale in &summary.stale_removed {
+                eprintln!(
+                    "removed {}, left by a backup that was killed",
+                    stale.display()
+                );
+            }
             eprintln!(
                 "copied {} pages ({} bytes) of {} to {}",
                 summary.pages,
@@ -288,17 +303,7 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
     config.authorization_ttl = args.authorization_ttl;
     // Signal handlers are installed before the server starts, so a signal
     // that arrives right after "listening" is never the default (fatal) one.
-    let signals = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let (mut interrupt, mut terminate) = {
-        let _guard = signals.enter();
-        use tokio::signal::unix::{signal, SignalKind};
-        (
-            signal(SignalKind::interrupt())?,
-            signal(SignalKind::terminate())?,
-        )
-    };
+    let (signals, mut interrupt, mut terminate) = install_signal_handlers()?;
     budget_descriptors(&config);
     let server = Server::start(config)?;
     if let Some(key) = server.initial_key() {
@@ -317,6 +322,46 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
     server.shutdown();
     eprintln!("stopped");
     Ok(0)
+}
+
+/// Installs SIGINT and SIGTERM handlers (from now on neither signal ends
+/// the process), with the runtime that waits for them.
+fn install_signal_handlers() -> Result<(
+    tokio::runtime::Runtime,
+    tokio::signal::unix::Signal,
+    tokio::signal::unix::Signal,
+)> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (interrupt, terminate) = {
+        let _guard = runtime.enter();
+        (
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+        )
+    };
+    Ok((runtime, interrupt, terminate))
+}
+
+/// Turns the first SIGINT or SIGTERM into `cancel`, on a thread of its own:
+/// `idem backup` then removes its partial file and exits 1 instead of dying
+/// with the file left behind. Installed before the backup creates any file.
+fn cancel_on_signals(cancel: Arc<backup::Cancel>) -> Result<()> {
+    let (runtime, mut interrupt, mut terminate) = install_signal_handlers()?;
+    std::thread::Builder::new()
+        .name("idem-signals".into())
+        .spawn(move || {
+            let name = runtime.block_on(async {
+                tokio::select! {
+                    _ = interrupt.recv() => "SIGINT",
+                    _ = terminate.recv() => "SIGTERM",
+                }
+            });
+            cancel.cancel(name);
+        })?;
+    Ok(())
 }
 
 /// Raises the soft descriptor limit to the hard one (commonly 1024 → far

@@ -120,6 +120,26 @@ pub const REFUSAL_LINGER: Duration = Duration::from_millis(500);
 /// How long `idem backup` waits for a lock it cannot take (a checkpoint that
 /// truncates the WAL, another process's exclusive lock) before giving up.
 pub const BACKUP_BUSY_MAX: Duration = Duration::from_secs(30);
+/// How long `idem backup` sleeps before it tries a lock again.
+pub const BACKUP_BUSY_RETRY_DELAY: Duration = Duration::from_millis(20);
+/// Names `idem backup` tries for its partial file before giving up; more
+/// than one is needed only when another backup removes a stale partial in
+/// the instant between this one's creating and locking it.
+pub const BACKUP_PARTIAL_CREATE_ATTEMPTS: usize = 8;
+/// Pages `idem backup` copies per step (4 MiB at SQLite's default 4 KiB
+/// page): the whole copy is still one snapshot, and between two steps it
+/// notices SIGINT or SIGTERM, so it stops within one step's copy (a few
+/// milliseconds) and removes its partial file.
+pub const BACKUP_STEP_PAGES: std::ffi::c_int = 1024;
+/// Size the writer's WAL file is cut back to (SQLite's
+/// `journal_size_limit`) once a checkpoint has reset it. In normal running
+/// the WAL cycles at about 4 MiB (SQLite checkpoints every 1000 pages of
+/// 4 KiB), well under this, so it is never cut and regrown. While a reader
+/// holds an old snapshot (an `idem backup` copying) no checkpoint can reset
+/// it and it grows with every commit, about 25 MB a second under load; after
+/// such a reader the file shrinks back to this instead of staying at its
+/// high-water mark.
+pub const WAL_SIZE_LIMIT_BYTES: i64 = 16 << 20;
 /// How long shutdown waits for in-flight requests before closing anyway.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// SQLite busy timeout of every connection: how long a statement waits for a

@@ -499,3 +499,23 @@ fn a_newer_database_is_refused_naming_both_versions_and_left_untouched() {
     }
     assert!(digest(&db) == before, "not a byte changed");
 }
+
+#[test]
+fn a_backup_of_a_database_not_yet_migrated_checks_what_it_can_and_says_so() {
+    let dir = TempDir::new("mig-backup");
+    let db = v1_copy(&dir);
+    let out = dir.0.join("copy.db");
+    let (code, stdout, stderr) = idem(&["backup", out.to_str().unwrap()], &db, &[]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(
+        stdout.contains("integrity and foreign keys hold")
+            && stdout.contains("schema version 1 is older"),
+        "{stdout}"
+    );
+    assert_eq!(user_version(&db), 1, "a backup migrates nothing");
+    assert_eq!(user_version(&out), 1);
+    // The copy migrates and verifies like the original.
+    let (code, out_text, err) = idem(&["migrate"], &out, &[]);
+    assert_eq!(code, 0, "{out_text}{err}");
+    support::assert_verified(&out);
+}

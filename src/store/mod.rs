@@ -12,12 +12,15 @@ use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 
-use crate::config::{FaultPoint, Synchronous, BUSY_TIMEOUT};
+use crate::config::{FaultPoint, Synchronous, BUSY_TIMEOUT, WAL_SIZE_LIMIT_BYTES};
 use crate::error::{Error, Result};
 
 pub use migrations::{migrate, Migrated, SCHEMA_VERSION};
 pub use readers::Readers;
 pub use writer::Writer;
+
+#[cfg(test)]
+pub(crate) use migrations::SCHEMA_SQL;
 
 /// Opens (creating if needed) a read-write connection with the pragmas every
 /// writing connection needs, and brings the schema up to date ([`migrate`];
@@ -44,6 +47,11 @@ pub fn open_rw(
         )));
     }
     conn.pragma_update(None, "synchronous", synchronous.pragma())?;
+    // A reader that holds an old snapshot (idem backup) keeps checkpoints
+    // from resetting the WAL, which grows meanwhile; without a limit the
+    // file then stays at its high-water mark. With one, the first commit
+    // after a checkpoint has reset the WAL truncates the file to the limit.
+    conn.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT_BYTES)?;
     migrate(&mut conn, fault).map_err(|e| in_database(path, e))?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
     Ok(conn)
