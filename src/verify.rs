@@ -399,6 +399,8 @@ mod tests {
         fn new(accounts: &[&'static str]) -> Ledger {
             let conn = Connection::open_in_memory().unwrap();
             conn.execute_batch(SCHEMA_SQL).unwrap();
+            conn.pragma_update(None, "user_version", crate::store::SCHEMA_VERSION)
+                .unwrap();
             conn.execute(
                 "INSERT INTO consumers (id, public_id, name, key_hash, created_at) \
                  VALUES (1, 'cons_1', 'tenant', zeroblob(32), 0)",
