@@ -538,7 +538,9 @@ fn bad_input_on_capture_and_cancel_is_400_and_changes_nothing() {
         funds(&client, "shop"),
     );
     let key = [("Idempotency-Key", "bad")];
-    let cases: Vec<(&str, &str, &[(&str, &str)], &str, u16, &str)> = vec![
+    /// (method, path, headers, body, status, slug).
+    type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str, u16, &'a str);
+    let cases: Vec<Case> = vec![
         (
             "POST",
             &capture_path,
@@ -679,4 +681,87 @@ fn bad_input_on_capture_and_cancel_is_400_and_changes_nothing() {
     );
     drop(server);
     support::assert_verified(&dir.db());
+}
+
+#[test]
+fn verify_catches_each_broken_two_phase_invariant() {
+    let dir = TempDir::new("2p-verify");
+    let (server, client, _) = setup(&dir, 10_000, |_| {});
+    let held = hold(&client, "hold", 1_000)["id"].as_str().unwrap().to_string();
+    let captured = hold(&client, "to-capture", 2_000)["id"].as_str().unwrap().to_string();
+    assert_eq!(capture(&client, &captured, "cap", &json!({"amount": 1_500})).status, 200);
+    let canceled = hold(&client, "to-cancel", 500)["id"].as_str().unwrap().to_string();
+    assert_eq!(cancel(&client, &canceled, "can").status, 200);
+    drop(server);
+    support::assert_verified(&dir.db());
+
+    let cases: Vec<(&str, String, &str)> = vec![
+        (
+            "held",
+            "UPDATE accounts SET held = held + 1 WHERE public_id = 'wallet'".into(),
+            "held and pending_credit are the sums",
+        ),
+        (
+            "pending",
+            "UPDATE accounts SET pending_credit = 0 WHERE public_id = 'shop'".into(),
+            "held and pending_credit are the sums",
+        ),
+        (
+            "available",
+            "UPDATE accounts SET held = balance + 1, pending_credit = pending_credit \
+             WHERE public_id = 'wallet'"
+                .into(),
+            "less available than 0",
+        ),
+        (
+            "claim",
+            format!("UPDATE charges SET claimed_by = 'op_gone' WHERE public_id = '{held}'"),
+            "which is not in progress",
+        ),
+        (
+            "entries-on-hold",
+            format!(
+                "INSERT INTO entries (public_id, account_id, amount, charge_id, created_at) \
+                 SELECT 'ent_x', source_id, -1, id, 0 FROM charges WHERE public_id = '{held}'"
+            ),
+            "has no entries and no refunds",
+        ),
+        (
+            "captured-amount",
+            format!("UPDATE charges SET amount_captured = 1400 WHERE public_id = '{captured}'"),
+            "has wrong entries",
+        ),
+        (
+            "canceled-status",
+            format!(
+                "UPDATE charges SET status = 'succeeded', canceled_at = NULL, \
+                 cancellation_reason = NULL, amount_captured = 500 WHERE public_id = '{canceled}'"
+            ),
+            "has wrong entries",
+        ),
+        (
+            "capture-answer",
+            format!(
+                "UPDATE idempotency_keys SET path = '/v1/charges/{canceled}/capture' \
+                 WHERE key = 'cap'"
+            ),
+            "which it did not produce",
+        ),
+    ];
+    for (name, sql, says) in cases {
+        let copy = dir.0.join(format!("{name}.db"));
+        {
+            let conn = rusqlite::Connection::open(dir.db()).unwrap();
+            conn.execute("VACUUM INTO ?1", [copy.to_str().unwrap()]).unwrap();
+        }
+        let conn = rusqlite::Connection::open(&copy).unwrap();
+        // Some tampering breaks a CHECK constraint on purpose: that is
+        // what a hand edit with checks off, or a bug, would leave.
+        conn.execute_batch("PRAGMA ignore_check_constraints = ON").unwrap();
+        conn.execute_batch(&sql).unwrap();
+        drop(conn);
+        let (code, report) = support::verify_cli(&copy);
+        assert_eq!(code, 1, "{name}: verify must fail:\n{report}");
+        assert!(report.contains(says), "{name}: expected '{says}' in:\n{report}");
+    }
 }
