@@ -27,10 +27,12 @@ CREATE TABLE accounts (
     created_at      INTEGER NOT NULL,
     -- The sum of the amounts of the `requires_capture` charges drawing on
     -- this account (their holds): `available` = balance - held.
-    held            INTEGER NOT NULL DEFAULT 0 CHECK (held >= 0),
+    held            INTEGER NOT NULL DEFAULT 0
+        CHECK (typeof(held) = 'integer' AND held >= 0),
     -- The sum of the amounts that those holds may still credit to this
     -- account: room reserved so that a capture can never overflow a balance.
-    pending_credit  INTEGER NOT NULL DEFAULT 0 CHECK (pending_credit >= 0),
+    pending_credit  INTEGER NOT NULL DEFAULT 0
+        CHECK (typeof(pending_credit) = 'integer' AND pending_credit >= 0),
     UNIQUE (consumer_id, public_id)
 );
 

@@ -11,9 +11,10 @@
 -- refunds, and may hold their decided answer before they complete (a
 -- declined charge keeps its 402 while its authorization is voided).
 
-ALTER TABLE accounts ADD COLUMN held INTEGER NOT NULL DEFAULT 0 CHECK (held >= 0);
+ALTER TABLE accounts ADD COLUMN held INTEGER NOT NULL DEFAULT 0
+    CHECK (typeof(held) = 'integer' AND held >= 0);
 ALTER TABLE accounts ADD COLUMN pending_credit INTEGER NOT NULL DEFAULT 0
-    CHECK (pending_credit >= 0);
+    CHECK (typeof(pending_credit) = 'integer' AND pending_credit >= 0);
 
 CREATE TABLE charges_v3 (
     id                   INTEGER PRIMARY KEY,

@@ -55,6 +55,9 @@ pub struct App {
     reservations: Pool,
     /// Owned operations (acquirer, recovery point, ledger phase).
     operations: Pool,
+    /// Held for a whole reaper pass, so that the reaper thread and
+    /// `Server::reap_now` never expire the same hold at once.
+    reaping: std::sync::Mutex<()>,
     /// Itself, for the tasks it hands to its pools.
     me: Weak<App>,
 }
@@ -128,6 +131,7 @@ impl App {
             consumers: RwLock::new(HashMap::new()),
             reservations: Pool::start("reserve", RESERVATION_THREADS, RESERVATION_QUEUE_LEN_MAX),
             operations: Pool::start("op", OPERATION_THREADS, OPERATION_QUEUE_LEN_MAX),
+            reaping: std::sync::Mutex::new(()),
             me: me.clone(),
         })
     }
@@ -516,7 +520,7 @@ impl App {
             if let Some(hook) = &self.config.hooks.before_ledger_phase {
                 hook(&owner.op_id);
             }
-            let ttl = self.config.authorization_ttl.as_millis() as i64;
+            let ttl = crate::time::millis(self.config.authorization_ttl);
             let auth = authorization.clone();
             let committed = self.commit(&owner, "charge", move |tx, o, now| {
                 let origin = Origin {
@@ -716,10 +720,20 @@ impl App {
         fp: &Fingerprint,
     ) -> Result<String, Reply> {
         let consumer = owner.consumer_id;
-        match self
-            .readers
-            .read(|c| ledger::precheck_charge(c, consumer, req, fp))
-        {
+        // A first owner has called nobody yet, so a final outcome of the
+        // pre-check is answered without the acquirer. An owner that took the
+        // key over cannot know that: its predecessor may have been
+        // authorised just before it stalled or died. It asks the acquirer
+        // (same key: the same authorization, or a first one), and a decline
+        // then goes through the ledger phase, which voids it.
+        let first_owner = owner.generation == 1;
+        let precheck = if first_owner {
+            self.readers
+                .read(|c| ledger::precheck_charge(c, consumer, req, fp))
+        } else {
+            Ok(None)
+        };
+        match precheck {
             Err(e) => return Err(self.give_up(owner, e)),
             Ok(Some(outcome)) => {
                 let (stored, existing) = charge_response(outcome);
@@ -886,7 +900,7 @@ impl App {
 
     /// In-progress keys silent for longer than the in-flight timeout.
     pub fn orphans(&self, limit: usize) -> Result<Vec<i64>> {
-        let cutoff = now_ms() - self.config.inflight_timeout.as_millis() as i64;
+        let cutoff = now_ms().saturating_sub(crate::time::millis(self.config.inflight_timeout));
         self.readers
             .read(|c| idempotency::orphans(c, cutoff, limit))
     }
@@ -908,6 +922,13 @@ impl App {
         Ok(true)
     }
 
+    /// One reaper pass at a time: the guard to hold for the pass.
+    pub fn reaper_pass(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.reaping
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Voids and releases up to `limit` holds past `--authorization-ttl`,
     /// each claimed first (a capture or cancel that claimed it earlier wins;
     /// one that comes later is refused), then voided at the acquirer under a
@@ -922,39 +943,50 @@ impl App {
             .read(|c| ledger::expired_holds(c, now, limit))?;
         let mut released = 0;
         for hold in holds {
-            let h = hold.clone();
-            if !self
-                .writer
-                .call(move |tx| ledger::claim_expired(tx, &h, now_ms()))?
-            {
-                continue;
+            // One hold that cannot be expired now (the acquirer down, a busy
+            // database) waits for the next pass; the others go on.
+            match self.expire_hold(&hold) {
+                Ok(true) => released += 1,
+                Ok(false) => {}
+                Err(e) => log::warn!("reaper: cannot expire hold {}: {e}", hold.charge),
             }
-            let key = format!("expire:{}", hold.charge);
-            if let Err(e) = self.acquirer.void(&key, &hold.authorization) {
-                log::warn!("reaper: cannot void expired hold {}: {}", hold.charge, e.0);
-                continue;
-            }
-            self.fault(FaultPoint::AfterAcquirer, "expiry");
-            let h = hold.clone();
-            self.writer.call(move |tx| {
-                ledger::apply_cancel(
-                    tx,
-                    h.consumer_id,
-                    &h.charge,
-                    ledger::EXPIRY_CLAIMER,
-                    CancellationReason::Expired,
-                    now_ms(),
-                )
-            })?;
-            self.metrics.authorizations_expired.inc();
-            released += 1;
         }
         Ok(released)
     }
 
+    /// Claims, voids and releases one expired hold; false if a capture or
+    /// cancel claimed it first.
+    fn expire_hold(&self, hold: &ledger::ExpiredHold) -> Result<bool> {
+        let h = hold.clone();
+        if !self
+            .writer
+            .call(move |tx| ledger::claim_expired(tx, &h, now_ms()))?
+        {
+            return Ok(false);
+        }
+        let key = format!("expire:{}", hold.charge);
+        self.acquirer
+            .void(&key, &hold.authorization)
+            .map_err(|e| Error::Acquirer(e.0))?;
+        self.fault(FaultPoint::AfterAcquirer, "expiry");
+        let h = hold.clone();
+        self.writer.call(move |tx| {
+            ledger::apply_cancel(
+                tx,
+                h.consumer_id,
+                &h.charge,
+                ledger::EXPIRY_CLAIMER,
+                CancellationReason::Expired,
+                now_ms(),
+            )
+        })?;
+        self.metrics.authorizations_expired.inc();
+        Ok(true)
+    }
+
     /// Deletes one batch of completed keys past retention.
     pub fn delete_expired(&self, batch: usize) -> Result<usize> {
-        let cutoff = now_ms() - self.config.key_retention.as_millis() as i64;
+        let cutoff = now_ms().saturating_sub(crate::time::millis(self.config.key_retention));
         let n = self
             .writer
             .call(move |tx| idempotency::delete_expired(tx, cutoff, batch))?;

@@ -92,7 +92,7 @@ struct ServeArgs {
     reaper_interval: Duration,
     /// How long an uncaptured hold (`capture: false`) lives before the reaper
     /// voids its authorization and releases it (`cancellation_reason: expired`).
-    #[arg(long, env = "IDEM_AUTHORIZATION_TTL", default_value = "7d", value_parser = parse_positive_duration)]
+    #[arg(long, env = "IDEM_AUTHORIZATION_TTL", default_value = "7d", value_parser = parse_authorization_ttl)]
     authorization_ttl: Duration,
     /// Latency of the built-in simulated acquirer.
     #[arg(long, env = "IDEM_ACQUIRER_LATENCY", default_value = "0ms", value_parser = parse_duration)]
@@ -176,6 +176,14 @@ fn fault_from_env() -> Result<Option<(FaultPoint, Option<String>)>> {
             .ok_or_else(|| Error::Usage(format!("IDEM_FAULT: unknown fault point '{fault}'"))),
         Err(_) => Ok(None),
     }
+}
+
+fn parse_authorization_ttl(s: &str) -> std::result::Result<Duration, String> {
+    let d = parse_positive_duration(s)?;
+    if d > config::AUTHORIZATION_TTL_MAX {
+        return Err("must be at most 365d".into());
+    }
+    Ok(d)
 }
 
 /// Runs the command line; `Ok` carries the exit code.

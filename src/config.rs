@@ -63,6 +63,12 @@ pub const REAPER_EXPIRIES_PER_PASS_MAX: usize = 64;
 /// How long an uncaptured hold (`capture: false`) lives before the reaper
 /// voids it: 7 days, as card networks commonly let an authorization live.
 pub const AUTHORIZATION_TTL_DEFAULT: Duration = Duration::from_secs(7 * 24 * 3600);
+/// The longest `--authorization-ttl`: a year, far past what any card network
+/// keeps an authorization, and a date every client can parse.
+pub const AUTHORIZATION_TTL_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The longest duration any flag takes (100 years): past it a value is a
+/// typo, and every duration then fits the i64 milliseconds of the database.
+pub const DURATION_MAX: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 pub const REAPER_DELETE_BATCH_LEN: usize = 500;
 /// Seconds a 409 asks the client to wait (`Retry-After`).
 pub const RETRY_AFTER_IN_USE_SECONDS: u32 = 1;
@@ -367,7 +373,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     n.checked_mul(ms_per_unit)
         .map(Duration::from_millis)
-        .ok_or_else(|| format!("'{s}' is too long"))
+        .filter(|d| *d <= DURATION_MAX)
+        .ok_or_else(|| format!("'{s}' is too long (at most 36500d)"))
 }
 
 impl fmt::Display for Synchronous {

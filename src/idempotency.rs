@@ -274,7 +274,7 @@ pub fn decide(row: Option<RowView>, mode: Mode, now_ms: i64, t: Timeouts) -> Dec
     };
     let expired = row
         .completed_at_ms
-        .is_some_and(|at| now_ms - at > t.retention.as_millis() as i64);
+        .is_some_and(|at| now_ms.saturating_sub(at) > crate::time::millis(t.retention));
     if row.state == KeyState::Completed && expired {
         return Decision::Execute;
     }
@@ -283,7 +283,9 @@ pub fn decide(row: Option<RowView>, mode: Mode, now_ms: i64, t: Timeouts) -> Dec
     }
     match row.state {
         KeyState::Completed => Decision::Replay,
-        KeyState::InProgress if now_ms - row.locked_at_ms > t.inflight.as_millis() as i64 => {
+        KeyState::InProgress
+            if now_ms.saturating_sub(row.locked_at_ms) > crate::time::millis(t.inflight) =>
+        {
             Decision::TakeOver
         }
         KeyState::InProgress => match mode {
@@ -773,7 +775,7 @@ pub fn take_over_orphan(
         return Ok(None);
     };
     let orphaned = row.state == KeyState::InProgress
-        && now_ms - row.locked_at_ms > inflight.as_millis() as i64;
+        && now_ms.saturating_sub(row.locked_at_ms) > crate::time::millis(inflight);
     if !orphaned {
         return Ok(None);
     }

@@ -60,10 +60,13 @@ impl AccountRow {
     /// available balance covers it unless it may go negative, and its balance
     /// minus every hold stays an i64. `Err` is the outcome to answer.
     fn can_debit(&self, amount: i64) -> std::result::Result<(), Shortfall> {
+        // `held` itself must stay an i64 too: SQLite would turn an
+        // overflowing `held + amount` into a float.
         let Some(after) = self
             .balance
             .checked_sub(self.held)
             .and_then(|a| a.checked_sub(amount))
+            .filter(|_| self.held.checked_add(amount).is_some())
         else {
             return Err(Shortfall::Overflow);
         };
@@ -80,6 +83,7 @@ impl AccountRow {
         self.balance
             .checked_add(self.pending_credit)
             .and_then(|b| b.checked_add(amount))
+            .and(self.pending_credit.checked_add(amount))
             .map(|_| ())
             .ok_or(Shortfall::Overflow)
     }
@@ -875,4 +879,66 @@ pub fn list_entries(
             })
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn account(balance: i64, held: i64, pending_credit: i64, allow_negative: bool) -> AccountRow {
+        AccountRow {
+            id: 1,
+            public_id: "a".into(),
+            currency: "BRL".into(),
+            allow_negative,
+            metadata: "{}".into(),
+            balance,
+            created_at_ms: 0,
+            held,
+            pending_credit,
+        }
+    }
+
+    const MAX: i64 = crate::config::AMOUNT_MINOR_MAX;
+
+    #[test]
+    fn debits_check_available_and_every_sum_at_the_edges_of_i64() {
+        // Available funds, not the balance.
+        assert_eq!(account(100, 60, 0, false).can_debit(40), Ok(()));
+        assert_eq!(
+            account(100, 60, 0, false).can_debit(41),
+            Err(Shortfall::Funds)
+        );
+        // A source that may go negative: balance - held - amount must fit.
+        assert_eq!(account(i64::MIN + MAX, 0, 0, true).can_debit(MAX), Ok(()));
+        assert_eq!(
+            account(i64::MIN + MAX, 1, 0, true).can_debit(MAX),
+            Err(Shortfall::Overflow)
+        );
+        // And `held` itself: a positive balance does not let holds push it
+        // past i64::MAX (SQLite would store a float).
+        assert_eq!(
+            account(MAX, i64::MAX - MAX + 1, 0, true).can_debit(MAX),
+            Err(Shortfall::Overflow)
+        );
+        assert_eq!(account(MAX, i64::MAX - MAX, 0, true).can_debit(MAX), Ok(()));
+    }
+
+    #[test]
+    fn credits_leave_room_for_every_pending_capture() {
+        assert_eq!(account(i64::MAX - MAX, 0, 0, false).can_credit(MAX), Ok(()));
+        assert_eq!(
+            account(i64::MAX - MAX, 1, 1, false).can_credit(MAX),
+            Err(Shortfall::Overflow)
+        );
+        // A negative balance does not let pending_credit itself overflow.
+        assert_eq!(
+            account(-MAX, 0, i64::MAX - MAX + 1, true).can_credit(MAX),
+            Err(Shortfall::Overflow)
+        );
+        assert_eq!(
+            account(-MAX, 0, i64::MAX - MAX, true).can_credit(MAX),
+            Ok(())
+        );
+    }
 }

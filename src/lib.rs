@@ -103,6 +103,13 @@ impl Server {
     pub fn start_with_acquirer(config: Config, acquirer: Arc<dyn Acquirer>) -> Result<Server> {
         refuse_memory(&config)?;
         config.http.validate().map_err(Error::Config)?;
+        if config.authorization_ttl.is_zero()
+            || config.authorization_ttl > crate::config::AUTHORIZATION_TTL_MAX
+        {
+            return Err(Error::Config(
+                "the authorization TTL must be longer than 0ms and at most 365d".into(),
+            ));
+        }
         store::preflight(&config.db)?;
         let lock = ProcessLock::acquire(&config.db)?;
         let conn = store::open_rw(&config.db, config.synchronous, config.fault)?;

@@ -59,6 +59,7 @@ fn run(app: &App, stopped: &Receiver<()>) {
 /// One pass: orphans first (they hold money in flight), then expired holds,
 /// then retention.
 pub fn pass(app: &App) {
+    let _one_at_a_time = app.reaper_pass();
     match app.orphans(REAPER_ORPHANS_PER_PASS_MAX) {
         Ok(ids) => {
             for id in ids {

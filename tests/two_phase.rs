@@ -539,7 +539,14 @@ fn bad_input_on_capture_and_cancel_is_400_and_changes_nothing() {
     );
     let key = [("Idempotency-Key", "bad")];
     /// (method, path, headers, body, status, slug).
-    type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str, u16, &'a str);
+    type Case<'a> = (
+        &'a str,
+        &'a str,
+        &'a [(&'a str, &'a str)],
+        &'a str,
+        u16,
+        &'a str,
+    );
     let cases: Vec<Case> = vec![
         (
             "POST",
@@ -687,10 +694,22 @@ fn bad_input_on_capture_and_cancel_is_400_and_changes_nothing() {
 fn verify_catches_each_broken_two_phase_invariant() {
     let dir = TempDir::new("2p-verify");
     let (server, client, _) = setup(&dir, 10_000, |_| {});
-    let held = hold(&client, "hold", 1_000)["id"].as_str().unwrap().to_string();
-    let captured = hold(&client, "to-capture", 2_000)["id"].as_str().unwrap().to_string();
-    assert_eq!(capture(&client, &captured, "cap", &json!({"amount": 1_500})).status, 200);
-    let canceled = hold(&client, "to-cancel", 500)["id"].as_str().unwrap().to_string();
+    let held = hold(&client, "hold", 1_000)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let captured = hold(&client, "to-capture", 2_000)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        capture(&client, &captured, "cap", &json!({"amount": 1_500})).status,
+        200
+    );
+    let canceled = hold(&client, "to-cancel", 500)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert_eq!(cancel(&client, &canceled, "can").status, 200);
     drop(server);
     support::assert_verified(&dir.db());
@@ -752,16 +771,166 @@ fn verify_catches_each_broken_two_phase_invariant() {
         let copy = dir.0.join(format!("{name}.db"));
         {
             let conn = rusqlite::Connection::open(dir.db()).unwrap();
-            conn.execute("VACUUM INTO ?1", [copy.to_str().unwrap()]).unwrap();
+            conn.execute("VACUUM INTO ?1", [copy.to_str().unwrap()])
+                .unwrap();
         }
         let conn = rusqlite::Connection::open(&copy).unwrap();
         // Some tampering breaks a CHECK constraint on purpose: that is
         // what a hand edit with checks off, or a bug, would leave.
-        conn.execute_batch("PRAGMA ignore_check_constraints = ON").unwrap();
+        conn.execute_batch("PRAGMA ignore_check_constraints = ON")
+            .unwrap();
         conn.execute_batch(&sql).unwrap();
         drop(conn);
         let (code, report) = support::verify_cli(&copy);
         assert_eq!(code, 1, "{name}: verify must fail:\n{report}");
-        assert!(report.contains(says), "{name}: expected '{says}' in:\n{report}");
+        assert!(
+            report.contains(says),
+            "{name}: expected '{says}' in:\n{report}"
+        );
     }
+}
+
+/// The simulator, recording which authorizations it made and voided; the
+/// first `authorize` after `stall` is set makes its authorization, then
+/// stalls (an owner that is slow past the in-flight timeout).
+struct Recording {
+    inner: Simulator,
+    stall: AtomicBool,
+    stalled: AtomicBool,
+    authorized: Mutex<Vec<String>>,
+    voided: Mutex<Vec<String>>,
+}
+
+impl Acquirer for Recording {
+    fn authorize(
+        &self,
+        key: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<Authorization, Unavailable> {
+        let auth = self.inner.authorize(key, amount, currency)?;
+        self.authorized.lock().unwrap().push(auth.id.clone());
+        if self.stall.swap(false, Ordering::SeqCst) {
+            self.stalled.store(true, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(1_500));
+        }
+        Ok(auth)
+    }
+    fn capture(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable> {
+        self.inner.capture(key, authorization, amount)
+    }
+    fn void(&self, key: &str, authorization: &str) -> Result<(), Unavailable> {
+        self.voided.lock().unwrap().push(authorization.to_string());
+        self.inner.void(key, authorization)
+    }
+    fn refund(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable> {
+        self.inner.refund(key, authorization, amount)
+    }
+}
+
+/// An owner authorised, then stalled past the in-flight timeout while the
+/// funds were spent; the retry that takes the key over must not answer the
+/// pre-check's 402 and leave that authorization open: it asks the acquirer
+/// (the same authorization comes back) and the ledger's decline voids it.
+#[test]
+fn a_takeover_never_leaves_its_predecessors_authorization_dangling() {
+    let dir = TempDir::new("2p-dangling");
+    let acquirer = Arc::new(Recording {
+        inner: Simulator::new(Duration::ZERO),
+        stall: AtomicBool::new(false),
+        stalled: AtomicBool::new(false),
+        authorized: Mutex::new(Vec::new()),
+        voided: Mutex::new(Vec::new()),
+    });
+    let (server, client) = support::server_with_acquirer(&dir, acquirer.clone(), |c| {
+        c.inflight_timeout = Duration::from_millis(300);
+    });
+    client.account("wallet", false);
+    let fund =
+        json!({"amount": 10_000, "currency": "BRL", "source": "card", "destination": "wallet"});
+    assert_eq!(client.charge("fund", &fund).status, 201);
+    acquirer.stall.store(true, Ordering::SeqCst);
+    let first = {
+        let client = client.clone();
+        std::thread::spawn(move || client.charge("k1", &hold_body(8_000)))
+    };
+    support::eventually(Duration::from_secs(10), || {
+        acquirer.stalled.load(Ordering::SeqCst).then_some(())
+    });
+    let spend =
+        json!({"amount": 5_000, "currency": "BRL", "source": "wallet", "destination": "shop"});
+    assert_eq!(client.charge("spend", &spend).status, 201);
+    std::thread::sleep(Duration::from_millis(400));
+    let retry = client.charge("k1", &hold_body(8_000));
+    assert_eq!(
+        (retry.status, retry.slug().as_str()),
+        (402, "insufficient-funds")
+    );
+    let late = first.join().unwrap();
+    assert_eq!(late.status, 402, "the stalled owner was fenced off");
+    assert!(late.body == retry.body);
+
+    let charged: Vec<String> = client
+        .all_charges()
+        .iter()
+        .map(|c| c["authorization"].as_str().unwrap().to_string())
+        .collect();
+    let voided = acquirer.voided.lock().unwrap().clone();
+    let dangling: Vec<String> = acquirer
+        .authorized
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|a| !charged.contains(a) && !voided.contains(a))
+        .cloned()
+        .collect();
+    assert!(
+        dangling.is_empty(),
+        "neither charged nor voided: {dangling:?}"
+    );
+    assert_eq!(funds(&client, "wallet"), (5_000, 0, 5_000));
+    drop(server);
+    support::assert_verified(&dir.db());
+}
+
+#[test]
+fn the_authorization_ttl_is_bounded_so_a_hold_is_never_born_expired() {
+    let dir = TempDir::new("2p-ttl");
+    let db = dir.db();
+    for ttl in ["366d", "10000000000000000000ms", "0s"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args([
+                "serve",
+                "--addr",
+                "127.0.0.1:0",
+                "--authorization-ttl",
+                ttl,
+                "--db",
+            ])
+            .arg(&db)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{ttl}");
+    }
+    assert!(!db.exists(), "a refused flag creates nothing");
+    let err = idem::Server::start_temporary(|c| {
+        c.authorization_ttl = Duration::from_secs(u64::MAX);
+    })
+    .err()
+    .expect("an embedder's endless TTL is refused too");
+    assert!(err.to_string().contains("365d"), "{err}");
+
+    // The longest TTL works: a hold a year out, capturable now.
+    let (server, client, _) = setup(&dir, 5_000, |c| {
+        c.authorization_ttl = idem::config::AUTHORIZATION_TTL_MAX;
+    });
+    let held = hold(&client, "h", 1_000);
+    assert!(
+        held["expires_at"].as_str().unwrap() > "2027-",
+        "{}",
+        held["expires_at"]
+    );
+    let id = held["id"].as_str().unwrap();
+    assert_eq!(capture(&client, id, "cap", &json!({})).status, 200);
+    drop(server);
 }
