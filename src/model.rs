@@ -11,6 +11,7 @@ use crate::config::{
     ACCOUNT_ID_LEN_MAX, AMOUNT_MINOR_MAX, DESCRIPTION_LEN_MAX, METADATA_KEYS_MAX,
     METADATA_KEY_LEN_MAX, METADATA_VALUE_LEN_MAX, REFERENCE_LEN_MAX,
 };
+use crate::json::{self, StrictError};
 
 /// Why a request body was rejected: 400 `invalid-request` naming `field`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,13 +41,21 @@ impl std::fmt::Display for FieldError {
 
 type Fields = Map<String, Value>;
 
-/// Parses a body as a JSON object (an empty body is `{}`).
+/// Parses a body as a JSON object (an empty body is `{}`). Strictly
+/// ([`json::from_slice`]): an object that names a member twice, at any
+/// depth, is an error naming the member's path, so no reader of the body can
+/// see another value than the one idem acts on.
 pub fn parse_object(body: &[u8]) -> Result<Value, FieldError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(Value::Object(Map::new()));
     }
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| FieldError::new("", format!("malformed JSON: {e}")))?;
+    let value = json::from_slice(body).map_err(|e| match e {
+        StrictError::Duplicate(path) => FieldError::new(
+            path.to_string(),
+            "duplicate member (each name may appear once per object)",
+        ),
+        StrictError::Malformed(e) => FieldError::new("", format!("malformed JSON: {e}")),
+    })?;
     if !value.is_object() {
         return Err(FieldError::new("", "the body must be a JSON object"));
     }
@@ -391,5 +400,7 @@ mod tests {
         assert_eq!(parse_object(b"  \n").unwrap(), json!({}));
         assert!(parse_object(b"[1]").is_err());
         assert!(parse_object(b"{").is_err());
+        let dup = parse_object(br#"{"m":{"a":1,"\u0061":2}}"#).unwrap_err();
+        assert_eq!(dup.field, "m.a");
     }
 }
