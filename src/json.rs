@@ -19,7 +19,9 @@
 //! `Value`, with the crate's `raw_value` feature, reads an object whose first
 //! member is named `$serde_json::private::RawValue` as the JSON text held in
 //! that member's string — a second body hidden inside the first. Here it is
-//! a member name like any other.
+//! a member name like any other, and JSON that idem keeps (the request in a
+//! key row, metadata in the ledger) is read back with this module too
+//! ([`deserialize`], [`from_slice`]), so it reads as it was written.
 
 use std::cell::RefCell;
 use std::fmt;
@@ -110,6 +112,19 @@ pub fn from_slice(bytes: &[u8]) -> Result<Value, StrictError> {
         }
         (Err(e), None) => Err(StrictError::Malformed(e)),
     }
+}
+
+/// [`from_slice`]'s reading through any serde deserializer, for
+/// `#[serde(deserialize_with = "crate::json::deserialize")]` on a `Value`
+/// that came from a client: a request kept in a key row then reads back
+/// exactly as it was written (serde_json's own `Value` would read a metadata
+/// key named like its raw-value token as another value).
+pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Value, D::Error> {
+    let duplicate = RefCell::new(None);
+    Strict {
+        duplicate: &duplicate,
+    }
+    .deserialize(deserializer)
 }
 
 /// The seed and visitor. On a duplicate it records the member's name and

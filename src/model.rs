@@ -188,6 +188,7 @@ pub struct AccountRequest {
     pub id: Option<String>,
     pub currency: Currency,
     pub allow_negative: bool,
+    #[serde(deserialize_with = "json::deserialize")]
     pub metadata: Value,
 }
 
@@ -224,6 +225,7 @@ pub struct ChargeRequest {
     pub destination: String,
     pub reference: Option<String>,
     pub description: Option<String>,
+    #[serde(deserialize_with = "json::deserialize")]
     pub metadata: Value,
 }
 
@@ -402,5 +404,42 @@ mod tests {
         assert!(parse_object(b"{").is_err());
         let dup = parse_object(br#"{"m":{"a":1,"\u0061":2}}"#).unwrap_err();
         assert_eq!(dup.field, "m.a");
+    }
+}
+
+#[cfg(test)]
+mod roundtrip_tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The request kept in a key row reads back as it was written, whatever
+    /// its metadata keys are named: serde_json's `Value` would read a
+    /// metadata object whose key is its raw-value token as the JSON text in
+    /// that key's string (here an array, which validation never allowed).
+    #[test]
+    fn an_operation_reads_back_as_written() {
+        let metadata = json!({"$serde_json::private::RawValue": "[1,{\"x\":2}]"});
+        let ops = [
+            Operation::Charge(ChargeRequest {
+                amount: 5,
+                currency: Currency::parse("BRL").unwrap(),
+                source: "card".into(),
+                destination: "shop".into(),
+                reference: None,
+                description: None,
+                metadata: metadata.clone(),
+            }),
+            Operation::Account(AccountRequest {
+                id: Some("a".into()),
+                currency: Currency::parse("BRL").unwrap(),
+                allow_negative: false,
+                metadata,
+            }),
+        ];
+        for op in ops {
+            let stored = serde_json::to_string(&op).unwrap();
+            let back: Operation = serde_json::from_str(&stored).unwrap();
+            assert_eq!(back, op, "{stored}");
+        }
     }
 }

@@ -643,3 +643,49 @@ fn deeply_nested_bodies_are_refused_without_harm() {
     assert_eq!(key_rows(server.db_path(), "deep"), 0);
     assert_eq!(client.charge("deep", &charge_body(3)).status, 201);
 }
+
+/// Metadata may name a key like serde_json's raw-value token: it is kept,
+/// answered, listed and compared exactly as sent — never read as the JSON
+/// text inside its value, neither from the body nor when idem reads back
+/// what it stored (the request in its key row, the ledger's metadata).
+#[test]
+fn metadata_named_like_the_raw_value_token_is_kept_as_sent() {
+    let (server, client) = server();
+    let metadata = json!({"$serde_json::private::RawValue": "{\"a\":\"b\"}", "n": "1"});
+    let mut body = charge_body(40);
+    body["metadata"] = metadata.clone();
+    let created = client.charge("token", &body);
+    assert_eq!(
+        created.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&created.body)
+    );
+    assert_eq!(created.json()["metadata"], metadata);
+    let id = created.json()["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        client.get(&format!("/v1/charges/{id}")).json()["metadata"],
+        metadata
+    );
+    assert_eq!(client.all_charges()[0]["metadata"], metadata);
+    let replay = client.charge("token", &body);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, created.body);
+
+    let account = json!({"id": "token-acct", "currency": "BRL", "metadata": metadata});
+    let first = client.post("/v1/accounts", None, &account);
+    assert_eq!(first.status, 201);
+    assert_eq!(first.json()["metadata"], metadata);
+    let again = client.post("/v1/accounts", None, &account);
+    assert_eq!(
+        (again.status, again.replayed()),
+        (200, true),
+        "{}",
+        String::from_utf8_lossy(&again.body)
+    );
+    assert_eq!(
+        client.get("/v1/accounts/token-acct").json()["metadata"],
+        metadata
+    );
+    support::assert_verified(server.db_path());
+}
