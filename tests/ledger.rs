@@ -87,7 +87,7 @@ fn bad_input_gets_its_slug_and_changes_nothing() {
             "{method} {path} {shown}"
         );
         if status == 405 {
-            assert_eq!(r.header("allow"), Some("GET, POST"));
+            assert_eq!(r.header("allow"), Some("GET, HEAD, POST"));
         }
         assert_eq!(
             snapshot(&client),
