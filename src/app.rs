@@ -445,7 +445,7 @@ impl App {
             }
             Ok(Reserved::Pending(Reservation::Busy { op_id })) => self.busy(&op_id, mode),
             Ok(Reserved::Pending(Reservation::ReferenceBusy)) => {
-                self.metrics.conflicts_in_use.inc();
+                self.metrics.conflicts_reference_in_use.inc();
                 Problem::ReferenceInUse.reply()
             }
             Ok(Reserved::Pending(Reservation::Owned { .. })) => {

@@ -12,6 +12,7 @@ use serde_json::Value;
 use crate::error::Result;
 use crate::idempotency::Fingerprint;
 use crate::ids;
+use crate::json;
 use crate::model::{
     AccountObject, AccountRequest, ChargeObject, ChargeRequest, EntryObject, ListObject, Page,
     RefundObject, RefundRequest,
@@ -51,7 +52,7 @@ impl AccountRow {
             held: self.held,
             available: self.balance.saturating_sub(self.held),
             allow_negative: self.allow_negative,
-            metadata: serde_json::from_str(&self.metadata).unwrap_or(Value::Null),
+            metadata: json::from_slice(self.metadata.as_bytes()).unwrap_or(Value::Null),
             created_at: rfc3339(self.created_at_ms),
         }
     }
@@ -91,7 +92,7 @@ impl AccountRow {
     fn same_fields(&self, req: &AccountRequest) -> bool {
         self.currency == req.currency.as_str()
             && self.allow_negative == req.allow_negative
-            && serde_json::from_str::<Value>(&self.metadata).ok().as_ref() == Some(&req.metadata)
+            && json::from_slice(self.metadata.as_bytes()).ok().as_ref() == Some(&req.metadata)
     }
 }
 
@@ -260,7 +261,7 @@ fn row_to_charge(r: &Row<'_>) -> rusqlite::Result<ChargeRow> {
             authorization: r.get(15)?,
             reference: r.get(7)?,
             description: r.get(8)?,
-            metadata: serde_json::from_str(&metadata).unwrap_or(Value::Null),
+            metadata: json::from_slice(metadata.as_bytes()).unwrap_or(Value::Null),
             expires_at: expires_at_ms.map(rfc3339),
             canceled_at: r.get::<_, Option<i64>>(17)?.map(rfc3339),
             cancellation_reason: reason_str(r.get(18)?),

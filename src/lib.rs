@@ -33,6 +33,7 @@ pub mod error;
 pub mod http;
 pub mod idempotency;
 pub mod ids;
+pub mod json;
 pub mod ledger;
 pub mod metrics;
 pub mod model;

@@ -74,7 +74,12 @@ pub struct Metrics {
     http_requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     pub http_request_duration_seconds: Histogram,
     pub idempotent_replays: Counter,
+    /// 409 `idempotency-key-in-use`: this key's first attempt is running.
     pub conflicts_in_use: Counter,
+    /// 409 `reference-in-use`: another key's charge with this `reference`
+    /// is running. A conflict of its own, not a key in use.
+    pub conflicts_reference_in_use: Counter,
+    /// 422 `idempotency-key-reused`: this key was used with another body.
     pub conflicts_reused: Counter,
     pub orphans_taken_over: Counter,
     pub keys_reaped: Counter,
@@ -91,6 +96,7 @@ impl Default for Metrics {
             http_request_duration_seconds: Histogram::new(SECONDS_BUCKETS),
             idempotent_replays: Counter::default(),
             conflicts_in_use: Counter::default(),
+            conflicts_reference_in_use: Counter::default(),
             conflicts_reused: Counter::default(),
             orphans_taken_over: Counter::default(),
             keys_reaped: Counter::default(),
@@ -136,9 +142,15 @@ impl Metrics {
             ),
             (
                 "idem_idempotency_conflicts_total",
-                "Key conflicts.",
+                "Idempotency conflicts: in_use (409 idempotency-key-in-use), reference_in_use (409 reference-in-use), reused (422 idempotency-key-reused).",
                 "{kind=\"in_use\"}",
                 &self.conflicts_in_use,
+            ),
+            (
+                "idem_idempotency_conflicts_total",
+                "",
+                "{kind=\"reference_in_use\"}",
+                &self.conflicts_reference_in_use,
             ),
             (
                 "idem_idempotency_conflicts_total",

@@ -11,6 +11,7 @@ use crate::config::{
     ACCOUNT_ID_LEN_MAX, AMOUNT_MINOR_MAX, DESCRIPTION_LEN_MAX, METADATA_KEYS_MAX,
     METADATA_KEY_LEN_MAX, METADATA_VALUE_LEN_MAX, REFERENCE_LEN_MAX,
 };
+use crate::json::{self, StrictError};
 
 /// Why a request body was rejected: 400 `invalid-request` naming `field`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,13 +41,21 @@ impl std::fmt::Display for FieldError {
 
 type Fields = Map<String, Value>;
 
-/// Parses a body as a JSON object (an empty body is `{}`).
+/// Parses a body as a JSON object (an empty body is `{}`). Strictly
+/// ([`json::from_slice`]): an object that names a member twice, at any
+/// depth, is an error naming the member's path, so no reader of the body can
+/// see another value than the one idem acts on.
 pub fn parse_object(body: &[u8]) -> Result<Value, FieldError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(Value::Object(Map::new()));
     }
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| FieldError::new("", format!("malformed JSON: {e}")))?;
+    let value = json::from_slice(body).map_err(|e| match e {
+        StrictError::Duplicate(path) => FieldError::new(
+            path.to_string(),
+            "duplicate member (each name may appear once per object)",
+        ),
+        StrictError::Malformed(e) => FieldError::new("", format!("malformed JSON: {e}")),
+    })?;
     if !value.is_object() {
         return Err(FieldError::new("", "the body must be a JSON object"));
     }
@@ -179,6 +188,7 @@ pub struct AccountRequest {
     pub id: Option<String>,
     pub currency: Currency,
     pub allow_negative: bool,
+    #[serde(deserialize_with = "json::deserialize")]
     pub metadata: Value,
 }
 
@@ -215,6 +225,7 @@ pub struct ChargeRequest {
     pub destination: String,
     pub reference: Option<String>,
     pub description: Option<String>,
+    #[serde(deserialize_with = "json::deserialize")]
     pub metadata: Value,
     /// `false`: authorise and hold (`requires_capture`) instead of moving
     /// the money at once. Requests kept by a v1 key row lack it: `true`.
@@ -460,5 +471,45 @@ mod tests {
         assert_eq!(parse_object(b"  \n").unwrap(), json!({}));
         assert!(parse_object(b"[1]").is_err());
         assert!(parse_object(b"{").is_err());
+        let dup = parse_object(br#"{"m":{"a":1,"\u0061":2}}"#).unwrap_err();
+        assert_eq!(dup.field, "m.a");
+    }
+}
+
+#[cfg(test)]
+mod roundtrip_tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The request kept in a key row reads back as it was written, whatever
+    /// its metadata keys are named: serde_json's `Value` would read a
+    /// metadata object whose key is its raw-value token as the JSON text in
+    /// that key's string (here an array, which validation never allowed).
+    #[test]
+    fn an_operation_reads_back_as_written() {
+        let metadata = json!({"$serde_json::private::RawValue": "[1,{\"x\":2}]"});
+        let ops = [
+            Operation::Charge(ChargeRequest {
+                amount: 5,
+                currency: Currency::parse("BRL").unwrap(),
+                source: "card".into(),
+                destination: "shop".into(),
+                reference: None,
+                description: None,
+                metadata: metadata.clone(),
+                capture: false,
+            }),
+            Operation::Account(AccountRequest {
+                id: Some("a".into()),
+                currency: Currency::parse("BRL").unwrap(),
+                allow_negative: false,
+                metadata,
+            }),
+        ];
+        for op in ops {
+            let stored = serde_json::to_string(&op).unwrap();
+            let back: Operation = serde_json::from_str(&stored).unwrap();
+            assert_eq!(back, op, "{stored}");
+        }
     }
 }

@@ -87,7 +87,7 @@ fn bad_input_gets_its_slug_and_changes_nothing() {
             "{method} {path} {shown}"
         );
         if status == 405 {
-            assert_eq!(r.header("allow"), Some("GET, POST"));
+            assert_eq!(r.header("allow"), Some("GET, HEAD, POST"));
         }
         assert_eq!(
             snapshot(&client),
@@ -480,5 +480,212 @@ fn one_reference_never_reaches_the_acquirer_twice() {
     let journal = idem::acquirer::Simulator::journal_path(server.db_path());
     let lines = std::fs::read_to_string(journal).unwrap();
     assert_eq!(lines.lines().count(), 1, "one authorization: {lines}");
+    support::assert_verified(server.db_path());
+}
+
+/// The number of key rows holding `key`, read from the server's database.
+fn key_rows(db: &std::path::Path, key: &str) -> i64 {
+    let conn = Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    conn.query_row(
+        "SELECT count(*) FROM idempotency_keys WHERE key = ?1",
+        [key],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
+/// A body that names a member twice — at the top, inside `metadata`, inside
+/// an array of objects, or spelled with escapes that unescape to the same
+/// name — is 400 `invalid-request` naming the member's path, on every POST
+/// route, before anything is stored: the ledger is exactly as before and
+/// the key stays free, so a later valid request with it is a new request.
+/// (serde_json keeps the last member, so `{"amount":1,"amount":1000000}`
+/// charged 1,000,000 while anything reading the first saw 1.)
+#[test]
+fn duplicate_members_are_refused_at_every_depth_and_change_nothing() {
+    let (server, client) = server();
+    let charge = client.charge("seed", &charge_body(500)).json();
+    let refunds = format!("/v1/charges/{}/refunds", charge["id"].as_str().unwrap());
+    let before = snapshot(&client);
+    let accounts_before = client.get("/v1/accounts/dup-acct").status;
+    assert_eq!(accounts_before, 404);
+    let tail = r#""currency":"BRL","source":"card","destination":"shop""#;
+    let deep = |depth: usize, inner: &str| {
+        // `depth` nested objects under metadata.k, the innermost `inner`.
+        let open: String = (0..depth).map(|_| r#"{"d":"#).collect();
+        let close = "}".repeat(depth);
+        format!(r#"{{"amount":1,{tail},"metadata":{{"k":{open}{inner}{close}}}}}"#)
+    };
+    let deep_path = format!("metadata.k{}.x", ".d".repeat(100));
+    #[rustfmt::skip]
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("/v1/charges", format!(r#"{{"amount":1,"amount":1000000,{tail}}}"#), "amount"),
+        ("/v1/charges", format!(r#"{{"amount":1000000,{tail},"amount":1}}"#), "amount"),
+        ("/v1/charges", format!(r#"{{"amount":1,"\u0061mount":1000000,{tail}}}"#), "amount"),
+        ("/v1/charges", format!(r#"{{"am\u006Fun\u0074":1,"amount":1,{tail}}}"#), "amount"),
+        ("/v1/charges", format!(r#"{{"amount":1,{tail},"source":"card"}}"#), "source"),
+        ("/v1/charges", format!(r#"{{"amount":1,{tail},"metadata":{{"k":"a","k":"b"}}}}"#), "metadata.k"),
+        ("/v1/charges", format!(r#"{{"amount":1,{tail},"metadata":{{"k":"a","\u006b":"a"}}}}"#), "metadata.k"),
+        ("/v1/charges", format!(r#"{{"amount":1,{tail},"metadata":{{"l":[{{"x":1}},{{"x":1,"x":2}}]}}}}"#), "metadata.l[1].x"),
+        ("/v1/charges", format!(r#"{{"amount":1,{tail},"metadata":{{"a b":{{"x":1,"x":2}}}}}}"#), r#"metadata["a b"].x"#),
+        ("/v1/charges", deep(100, r#"{"x":1,"x":2}"#), &deep_path),
+        ("/v1/accounts", r#"{"id":"dup-acct","currency":"BRL","currency":"USD"}"#.into(), "currency"),
+        ("/v1/accounts", r#"{"id":"dup-acct","currency":"BRL","id":"dup-acct"}"#.into(), "id"),
+        ("/v1/accounts", r#"{"id":"dup-acct","currency":"BRL","metadata":{"s":"1","s":"2"}}"#.into(), "metadata.s"),
+        (&refunds, r#"{"amount":1,"amount":400}"#.into(), "amount"),
+        (&refunds, r#"{"amount":1,"\u0061mount":1}"#.into(), "amount"),
+    ];
+    for (path, body, member) in &cases {
+        let r = client.request("POST", path, &[("Idempotency-Key", "dup-key")], body);
+        let shown: String = body.chars().take(100).collect();
+        assert_eq!(
+            (r.status, r.slug().as_str()),
+            (400, "invalid-request"),
+            "{path} {shown}"
+        );
+        let detail = r.json()["detail"].as_str().unwrap().to_string();
+        assert_eq!(
+            detail,
+            format!("{member}: duplicate member (each name may appear once per object)"),
+            "{path} {shown}"
+        );
+        assert_eq!(
+            snapshot(&client),
+            before,
+            "{path} {shown} changed the ledger"
+        );
+        assert_eq!(key_rows(server.db_path(), "dup-key"), 0, "{path} {shown}");
+    }
+    assert_eq!(client.get("/v1/accounts/dup-acct").status, 404);
+    // The key stayed free on each route: a valid request with it is new.
+    let ok = client.charge("dup-key", &charge_body(1));
+    assert_eq!((ok.status, ok.replayed()), (201, false));
+    assert_eq!(ok.json()["amount"], 1);
+    let refund = client.post(&refunds, Some("dup-key"), &json!({"amount": 1}));
+    assert_eq!((refund.status, refund.replayed()), (201, false));
+    let account = client.post(
+        "/v1/accounts",
+        Some("dup-key"),
+        &json!({"id": "dup-acct", "currency": "BRL"}),
+    );
+    assert_eq!((account.status, account.replayed()), (201, false));
+    support::assert_verified(server.db_path());
+}
+
+/// serde_json's `Value` reads an object whose first member is named
+/// `$serde_json::private::RawValue` as the JSON text in that member's string:
+/// a proxy would see one string member while idem charged the body hidden
+/// inside it. The name is an unknown field like any other.
+#[test]
+fn a_member_named_like_serde_jsons_raw_value_token_is_an_unknown_field() {
+    let (server, client) = server();
+    let before = snapshot(&client);
+    let inner =
+        r#"{\"amount\":700,\"currency\":\"BRL\",\"source\":\"card\",\"destination\":\"shop\"}"#;
+    let body = format!(r#"{{"$serde_json::private::RawValue":"{inner}"}}"#);
+    let r = client.request("POST", "/v1/charges", &[("Idempotency-Key", "raw")], &body);
+    assert_eq!(
+        (r.status, r.slug().as_str()),
+        (400, "invalid-request"),
+        "{}",
+        String::from_utf8_lossy(&r.body)
+    );
+    assert_eq!(
+        r.json()["detail"],
+        "$serde_json::private::RawValue: unknown field"
+    );
+    assert_eq!(snapshot(&client), before);
+    assert_eq!(key_rows(server.db_path(), "raw"), 0);
+}
+
+/// Nesting is bounded (serde_json's recursion limit: 127 nested arrays or
+/// objects parse, the 128th is refused) and a body nested as deep as 64 KiB
+/// allows is refused on a real worker thread without harm to the server.
+#[test]
+fn deeply_nested_bodies_are_refused_without_harm() {
+    let (server, client) = server();
+    let before = snapshot(&client);
+    // The body object and metadata are two levels; `n` arrays nest below.
+    let nested = |n: usize| {
+        format!(
+            r#"{{"amount":1,"currency":"BRL","source":"card","destination":"shop","metadata":{{"k":{}{}}}}}"#,
+            "[".repeat(n),
+            "]".repeat(n)
+        )
+    };
+    let detail = |r: &Resp| r.json()["detail"].as_str().unwrap().to_string();
+    let post =
+        |body: &str| client.request("POST", "/v1/charges", &[("Idempotency-Key", "deep")], body);
+    let at_limit = post(&nested(125));
+    assert_eq!(
+        (at_limit.status, at_limit.slug().as_str()),
+        (400, "invalid-request")
+    );
+    assert_eq!(
+        detail(&at_limit),
+        "metadata.k: must be a string",
+        "127 levels parse"
+    );
+    for n in [126, 30_000] {
+        let r = post(&nested(n));
+        assert_eq!(
+            (r.status, r.slug().as_str()),
+            (400, "invalid-request"),
+            "{n}"
+        );
+        assert!(
+            detail(&r).starts_with("malformed JSON: recursion limit exceeded"),
+            "{n}: {}",
+            detail(&r)
+        );
+    }
+    assert_eq!(snapshot(&client), before);
+    assert_eq!(key_rows(server.db_path(), "deep"), 0);
+    assert_eq!(client.charge("deep", &charge_body(3)).status, 201);
+}
+
+/// Metadata may name a key like serde_json's raw-value token: it is kept,
+/// answered, listed and compared exactly as sent — never read as the JSON
+/// text inside its value, neither from the body nor when idem reads back
+/// what it stored (the request in its key row, the ledger's metadata).
+#[test]
+fn metadata_named_like_the_raw_value_token_is_kept_as_sent() {
+    let (server, client) = server();
+    let metadata = json!({"$serde_json::private::RawValue": "{\"a\":\"b\"}", "n": "1"});
+    let mut body = charge_body(40);
+    body["metadata"] = metadata.clone();
+    let created = client.charge("token", &body);
+    assert_eq!(
+        created.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&created.body)
+    );
+    assert_eq!(created.json()["metadata"], metadata);
+    let id = created.json()["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        client.get(&format!("/v1/charges/{id}")).json()["metadata"],
+        metadata
+    );
+    assert_eq!(client.all_charges()[0]["metadata"], metadata);
+    let replay = client.charge("token", &body);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, created.body);
+
+    let account = json!({"id": "token-acct", "currency": "BRL", "metadata": metadata});
+    let first = client.post("/v1/accounts", None, &account);
+    assert_eq!(first.status, 201);
+    assert_eq!(first.json()["metadata"], metadata);
+    let again = client.post("/v1/accounts", None, &account);
+    assert_eq!(
+        (again.status, again.replayed()),
+        (200, true),
+        "{}",
+        String::from_utf8_lossy(&again.body)
+    );
+    assert_eq!(
+        client.get("/v1/accounts/token-acct").json()["metadata"],
+        metadata
+    );
     support::assert_verified(server.db_path());
 }

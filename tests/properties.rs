@@ -10,6 +10,10 @@
 //! (idem never rounds them to a double, so 2^53 + 1 and 2^53 differ); a
 //! string is its code points, however escaped.
 //!
+//! Strict parsing (`idem::json`): a body without a repeated member reads
+//! exactly as serde_json reads it, however it is spelled; a body that
+//! repeats a member anywhere is refused, naming that member's path.
+//!
 //! Decision: the contract's table (API.md, "Decisions for a request whose
 //! key row exists") as properties over every row, mode and clock.
 //!
@@ -21,6 +25,7 @@ use std::time::Duration;
 use idem::idempotency::{
     decide, fingerprint, write_canonical, Decision, KeyState, Mode, RowView, Timeouts,
 };
+use idem::json::{Segment, StrictError};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 use serde_json::{Map, Number, Value};
@@ -96,7 +101,15 @@ impl Rng {
 
 fn respell(v: &Value, seed: u64) -> String {
     let mut out = String::new();
-    write_respelled(v, &mut Rng(seed | 1), &mut out);
+    write_respelled(v, &mut Rng(seed | 1), None, &mut out);
+    out
+}
+
+/// `respell`, but the member at `path` is written twice: once with its own
+/// value, then again (its name spelled anew) with its value or another.
+fn respell_with_duplicate(v: &Value, seed: u64, path: &[Segment]) -> String {
+    let mut out = String::new();
+    write_respelled(v, &mut Rng(seed | 1), Some(path), &mut out);
     out
 }
 
@@ -106,7 +119,14 @@ fn space(rng: &mut Rng, out: &mut String) {
     }
 }
 
-fn write_respelled(v: &Value, rng: &mut Rng, out: &mut String) {
+/// Writes `v` re-spelled; `repeat`, if any, is the path (below `v`) of a
+/// member to write twice.
+fn write_respelled(v: &Value, rng: &mut Rng, repeat: Option<&[Segment]>, out: &mut String) {
+    // The rest of `repeat` for the child at `step`, if the path goes there.
+    let below = |step: &Segment| match repeat {
+        Some([first, rest @ ..]) if first == step && !rest.is_empty() => Some(rest),
+        _ => None,
+    };
     space(rng, out);
     match v {
         Value::Number(n) => out.push_str(&respell_number(n, rng)),
@@ -117,7 +137,7 @@ fn write_respelled(v: &Value, rng: &mut Rng, out: &mut String) {
                 if i > 0 {
                     out.push(',');
                 }
-                write_respelled(item, rng, out);
+                write_respelled(item, rng, below(&Segment::Index(i)), out);
             }
             space(rng, out);
             out.push(']');
@@ -132,11 +152,19 @@ fn write_respelled(v: &Value, rng: &mut Rng, out: &mut String) {
                 if i > 0 {
                     out.push(',');
                 }
+                let step = Segment::Member(k.clone());
                 space(rng, out);
                 write_string(k, rng, out);
                 space(rng, out);
                 out.push(':');
-                write_respelled(v, rng, out);
+                write_respelled(v, rng, below(&step), out);
+                if repeat == Some(&[step][..]) {
+                    out.push(',');
+                    write_string(k, rng, out);
+                    out.push(':');
+                    let again = if rng.coin() { v.clone() } else { Value::Null };
+                    write_respelled(&again, rng, None, out);
+                }
             }
             space(rng, out);
             out.push('}');
@@ -398,6 +426,79 @@ fn number_edges_follow_the_contract() {
     assert_ne!(fp(r#"{"a":1}"#), fp(r#"{"a":"1"}"#));
     assert_ne!(fp("null"), fp("0"));
     assert_ne!(fp("[]"), fp("{}"));
+}
+
+// ---------------------------------------------------------------------------
+// Strict parsing properties
+
+/// The path of every member of every object in `v`, at every depth.
+fn member_paths(v: &Value, here: &mut Vec<Segment>, out: &mut Vec<Vec<Segment>>) {
+    let mut visit = |step: Segment, child: &Value, here: &mut Vec<Segment>| {
+        here.push(step);
+        if matches!(here.last(), Some(Segment::Member(_))) {
+            out.push(here.clone());
+        }
+        member_paths(child, here, out);
+        here.pop();
+    };
+    match v {
+        Value::Object(map) => {
+            for (k, child) in map {
+                visit(Segment::Member(k.clone()), child, here);
+            }
+        }
+        Value::Array(items) => {
+            for (i, child) in items.iter().enumerate() {
+                visit(Segment::Index(i), child, here);
+            }
+        }
+        _ => {}
+    }
+}
+
+proptest! {
+    #![proptest_config(config(384))]
+
+    /// Without a repeated member, the strict parser reads exactly what
+    /// serde_json reads (the same numbers, strings and structure, so the
+    /// same fingerprint), however the value is spelled.
+    #[test]
+    fn strict_parsing_reads_what_serde_json_reads(v in json_value(), seed in any::<u64>()) {
+        let text = respell(&v, seed);
+        let strict = idem::json::from_slice(text.as_bytes());
+        let strict = strict.map_err(|e| e.to_string());
+        let serde: Value = serde_json::from_str(&text).expect("respelled text is JSON");
+        prop_assert_eq!(strict.as_ref(), Ok(&serde), "{}", text);
+        prop_assert_eq!(fingerprint(&serde), fingerprint(strict.as_ref().unwrap()));
+    }
+
+    /// Any member of any object, at any depth, written a second time (its
+    /// name spelled anew, its value the same or another): refused with that
+    /// member's path, where serde_json would keep the last.
+    #[test]
+    fn a_repeated_member_is_refused_with_its_path(
+        v in json_value(),
+        name in json_string(4),
+        seed in any::<u64>(),
+        pick in any::<prop::sample::Index>(),
+    ) {
+        let mut paths = Vec::new();
+        member_paths(&v, &mut Vec::new(), &mut paths);
+        // A value without an object member goes inside one.
+        let v = if paths.is_empty() {
+            paths.push(vec![Segment::Member(name.clone())]);
+            Value::Object(Map::from_iter([(name, v)]))
+        } else {
+            v
+        };
+        let path = pick.get(&paths);
+        let text = respell_with_duplicate(&v, seed, path);
+        prop_assert!(serde_json::from_str::<Value>(&text).is_ok(), "{}", text);
+        match idem::json::from_slice(text.as_bytes()) {
+            Err(StrictError::Duplicate(found)) => prop_assert_eq!(&found.0, path, "{}", text),
+            other => prop_assert!(false, "{}: {:?}", text, other),
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------

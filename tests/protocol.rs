@@ -321,6 +321,7 @@ fn metrics_expose_the_contract_names() {
         "idem_http_request_duration_seconds_bucket",
         "idem_idempotent_replays_total 1",
         "idem_idempotency_conflicts_total{kind=\"in_use\"} 0",
+        "idem_idempotency_conflicts_total{kind=\"reference_in_use\"} 0",
         "idem_idempotency_conflicts_total{kind=\"reused\"} 1",
         "idem_orphans_taken_over_total 0",
         "idem_keys_reaped_total 0",
@@ -446,4 +447,82 @@ fn async_202_stays_immediate_when_every_operation_thread_is_busy() {
         });
     }
     assert_eq!(client.all_charges().len(), REQUESTS);
+}
+
+/// The value of one metrics line (`name{labels}`).
+fn metric(server: &idem::Server, line: &str) -> u64 {
+    let r = support::send(server.addr(), "GET", "/metrics", &[], b"").unwrap();
+    let text = String::from_utf8(r.body).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(line)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {line} in\n{text}"))
+}
+
+/// A 409 `reference-in-use` (another key's charge with that `reference` in
+/// progress) and a 409 `idempotency-key-in-use` (this key in progress) are
+/// two different conflicts: each is counted under its own kind of
+/// `idem_idempotency_conflicts_total`, never the one under the other.
+#[test]
+fn reference_in_use_and_key_in_use_are_counted_apart() {
+    // While `held` is true a charge waits before its ledger phase, its key
+    // and its reference in progress: no race with a timer.
+    let held = Arc::new((std::sync::Mutex::new(true), std::sync::Condvar::new()));
+    let gate = Arc::clone(&held);
+    let (server, client) = server(|c| {
+        c.hooks.before_ledger_phase = Some(Arc::new(move |_op: &str| {
+            let (lock, released) = &*gate;
+            let mut hold = lock.lock().unwrap();
+            while *hold {
+                hold = released.wait(hold).unwrap();
+            }
+        }))
+    });
+    // Released however the test ends: a failed assertion while the charge
+    // is held must fail the test, not hang the server's shutdown.
+    struct Release(Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>);
+    impl Drop for Release {
+        fn drop(&mut self) {
+            let (lock, released) = &*self.0;
+            *lock.lock().unwrap_or_else(|e| e.into_inner()) = false;
+            released.notify_all();
+        }
+    }
+    let release = Release(Arc::clone(&held));
+    let in_use = "idem_idempotency_conflicts_total{kind=\"in_use\"}";
+    let reference_in_use = "idem_idempotency_conflicts_total{kind=\"reference_in_use\"}";
+    assert_eq!(metric(&server, in_use), 0);
+    let mut body = charge_body(70);
+    body["reference"] = json!("order-12");
+    let first = {
+        let (client, body) = (client.clone(), body.clone());
+        std::thread::spawn(move || client.charge("ref-a", &body))
+    };
+    support::wait_for_key(server.db_path(), "ref-a");
+
+    for _ in 0..2 {
+        let other_key = client.charge("ref-b", &body);
+        assert_eq!(
+            (other_key.status, other_key.slug().as_str()),
+            (409, "reference-in-use")
+        );
+    }
+    assert_eq!(
+        metric(&server, in_use),
+        0,
+        "a reference in use is not a key in use"
+    );
+    assert_eq!(metric(&server, reference_in_use), 2);
+    let same_key = client.charge("ref-a", &body);
+    assert_eq!(
+        (same_key.status, same_key.slug().as_str()),
+        (409, "idempotency-key-in-use")
+    );
+    assert_eq!(
+        (metric(&server, in_use), metric(&server, reference_in_use)),
+        (1, 2)
+    );
+
+    drop(release);
+    assert_eq!(first.join().unwrap().status, 201);
+    assert_eq!(client.all_charges().len(), 1);
 }

@@ -14,14 +14,21 @@
 //! - when the input holds two JSON texts separated by a 0xFF byte (never
 //!   valid inside JSON): they fingerprint alike exactly when they are equal
 //!   under the same semantics — equal values hash alike, different values
-//!   hash apart.
+//!   hash apart;
+//! - the strict parser the server reads bodies with (`idem::json`) agrees
+//!   with serde_json: what it accepts, serde_json reads as the same value;
+//!   what serde_json refuses, it refuses; it refuses more only for a
+//!   repeated member (or where serde_json reads its raw-value token, a
+//!   member name that hides a second body).
 #![no_main]
 
 use idem::idempotency::{fingerprint, write_canonical};
+use idem::json::StrictError;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Number, Value};
 
 fuzz_target!(|data: &[u8]| {
+    strict_agrees(data);
     match data.iter().position(|&b| b == 0xFF) {
         None => {
             if let Ok(v) = serde_json::from_slice::<Value>(data) {
@@ -45,6 +52,36 @@ fuzz_target!(|data: &[u8]| {
         }
     }
 });
+
+/// serde_json's `Value` with `raw_value` reads an object whose first member
+/// has this name (however escaped) as the JSON text in its string; idem
+/// reads a member.
+const RAW_VALUE_TOKEN: &str = "$serde_json::private::RawValue";
+
+fn names_raw_token(v: &Value) -> bool {
+    match v {
+        Value::Object(map) => map
+            .iter()
+            .any(|(k, v)| k == RAW_VALUE_TOKEN || names_raw_token(v)),
+        Value::Array(items) => items.iter().any(names_raw_token),
+        _ => false,
+    }
+}
+
+fn strict_agrees(data: &[u8]) {
+    let strict = idem::json::from_slice(data);
+    let serde = serde_json::from_slice::<Value>(data);
+    match (strict, serde) {
+        (Ok(a), Ok(b)) => assert!(
+            a == b || names_raw_token(&a),
+            "strict {a} vs serde_json {b}"
+        ),
+        (Ok(a), Err(e)) => assert!(names_raw_token(&a), "strict accepted {a}, serde_json: {e}"),
+        (Err(StrictError::Duplicate(_)), _) => {}
+        (Err(StrictError::Malformed(_)), Err(_)) => {}
+        (Err(StrictError::Malformed(e)), Ok(b)) => panic!("strict refused {b}: {e}"),
+    }
+}
 
 fn canonical(v: &Value) -> String {
     let mut s = String::new();

@@ -50,12 +50,14 @@ impl Route<'_> {
         }
     }
 
-    /// The methods the route answers (the `Allow` header).
+    /// The methods the route answers (the `Allow` header). HEAD wherever
+    /// GET (RFC 9110 §9.3.2): it is decoded and answered as GET, and the
+    /// engine sends GET's status and headers without the body.
     pub fn allow(&self) -> &'static str {
         match self {
             Route::Accounts | Route::Refunds(_) | Route::Capture(_) | Route::Cancel(_) => "POST",
-            Route::Charges => "GET, POST",
-            _ => "GET",
+            Route::Charges => "GET, HEAD, POST",
+            _ => "GET, HEAD",
         }
     }
 
@@ -203,6 +205,8 @@ pub fn decode<'a>(req: &'a Request, route: Option<Route<'a>>) -> Result<Command<
     if req.body_too_large {
         return Err(Problem::BodyTooLarge);
     }
+    // Past this point a method is one the route allows; everything but POST
+    // reads (GET, and HEAD, which is GET without the body).
     Ok(match (method, route) {
         (_, Route::Healthz) => Command::Healthz,
         (_, Route::Metrics) => Command::Metrics,
@@ -462,9 +466,32 @@ mod tests {
             (req("POST", "/v1/accounts", None, b"{\"currency\":\"BRL\"}", false), 0),
             (req("POST", "/v1/charges/ch_1/refunds", Some("k"), b"", false), 0),
             (req("GET", "/v1/charges", None, b"", true), 413),
+            (req("HEAD", "/v1/charges", None, b"", false), 0),
+            (req("HEAD", "/v1/accounts/a", None, b"", false), 0),
+            (req("HEAD", "/healthz", None, b"", false), 0),
+            (req("HEAD", "/v1/accounts", None, b"", false), 405),
+            (req("HEAD", "/v1/charges/ch_1/refunds", Some("k"), b"", false), 405),
+            (req("HEAD", "/v1/charges", None, b"", true), 413),
         ];
         for (i, (r, want)) in cases.iter().enumerate() {
             assert_eq!(status(r), *want, "case {i}: {r:?}");
+        }
+        // HEAD decodes to the very command GET decodes to.
+        for path in ["/v1/charges?limit=2", "/v1/accounts/a/entries", "/metrics"] {
+            let (path, query) = path.split_once('?').unwrap_or((path, ""));
+            let mut get = req("GET", path, None, b"", false);
+            get.query = Some(query.to_string());
+            let head = Request {
+                method: "HEAD".into(),
+                ..get.clone()
+            };
+            let get_command = decode(&get, match_route(&get.path));
+            assert_eq!(
+                decode(&head, match_route(&head.path)),
+                get_command,
+                "{path}"
+            );
+            assert!(get_command.is_ok(), "{path}");
         }
         assert!(needs_auth(&req("GET", "/v1", None, b"", false), None));
         assert!(!needs_auth(

@@ -561,6 +561,10 @@ async fn serve(
     Ok(to_hyper(reply))
 }
 
+/// The engine's response for `reply`. The body always goes in, HEAD or not:
+/// for a HEAD request hyper writes the `Content-Length` of this body and
+/// never the body itself (RFC 9110 §9.3.2), so a HEAD answers exactly GET's
+/// status and headers (tests/head.rs checks the bytes on the wire).
 fn to_hyper(reply: Reply) -> hyper::Response<Full<Bytes>> {
     let mut response = hyper::Response::new(Full::new(Bytes::from(reply.body)));
     *response.status_mut() = hyper::StatusCode::from_u16(reply.status)

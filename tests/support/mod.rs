@@ -29,8 +29,10 @@ impl Resp {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The body as JSON, read as idem reads JSON (`idem::json`): a repeated
+    /// member is an error, and no member name is read as anything else.
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+        idem::json::from_slice(&self.body).unwrap_or_else(|e| {
             panic!(
                 "status {} body is not JSON ({e}): {}",
                 self.status,
