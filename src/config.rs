@@ -58,6 +58,24 @@ const _: () = assert!(OPERATION_THREADS <= OPERATION_QUEUE_LEN_MAX);
 /// small batches keep the write lock short.
 pub const REAPER_ORPHANS_PER_PASS_MAX: usize = 64;
 pub const REAPER_DELETE_BATCH_LEN: usize = 500;
+/// How long a completed idempotency key is kept and replayed
+/// (`--key-retention`), unless configured: a day covers any client's retry
+/// schedule, including a batch job re-run the next morning.
+pub const KEY_RETENTION_DEFAULT: Duration = Duration::from_secs(24 * 3600);
+/// The acquirer simulator prunes what it remembers past its retention once
+/// every this many calls: one short `DELETE` under its lock, never on every
+/// call, and never on a timer of its own.
+pub const SIMULATOR_PRUNE_EVERY_CALLS: u32 = 256;
+/// Rows of each simulator table one prune deletes. A call adds at most one
+/// row to each, so 1024 per 256 calls forgets four times faster than it
+/// learns: a backlog (an imported v1 journal, a retention shortened on
+/// restart) drains while the simulator keeps up with any charge rate.
+pub const SIMULATOR_PRUNE_BATCH_LEN: usize = 1024;
+const _: () = assert!(SIMULATOR_PRUNE_BATCH_LEN >= SIMULATOR_PRUNE_EVERY_CALLS as usize);
+/// The acquirer simulator's SQLite page cache. Its hot pages are the tail
+/// of two indexes and two tables, a few dozen pages; 512 KiB holds them and
+/// bounds what the simulator can hold in memory, whatever it remembers.
+pub const SIMULATOR_CACHE_MAX_KIB: i64 = 512;
 /// Seconds a 409 asks the client to wait (`Retry-After`).
 pub const RETRY_AFTER_IN_USE_SECONDS: u32 = 1;
 /// Seconds a 503 asks the client to wait (`Retry-After`).
@@ -96,7 +114,7 @@ const _: () = assert!(HEADER_BYTES_MAX >= HEADER_BYTES_MAX_FLOOR);
 pub const CONNECTIONS_MAX: usize = 1024;
 /// Descriptors the server needs besides connections and reader connections:
 /// the writer's database, WAL and shm, temp files, the lock, the acquirer
-/// journal, the listener, stdio, the runtime's epoll and eventfds.
+/// simulator's database, WAL and shm, the listener, stdio, the runtime's epoll and eventfds.
 pub const DESCRIPTORS_RESERVED: usize = 32;
 /// How long the accept loop waits after a failed `accept` (EMFILE: out of
 /// file descriptors) before trying again; the pending connection stays in
@@ -269,7 +287,7 @@ impl Config {
             db: db.into(),
             addr: "127.0.0.1:8080".parse().expect("valid literal address"),
             workers: default_workers(),
-            key_retention: Duration::from_secs(24 * 3600),
+            key_retention: KEY_RETENTION_DEFAULT,
             inflight_timeout: Duration::from_secs(60),
             reaper_interval: Duration::from_secs(10),
             acquirer_latency: Duration::ZERO,
