@@ -76,6 +76,28 @@ const _: () = assert!(SIMULATOR_PRUNE_BATCH_LEN >= SIMULATOR_PRUNE_EVERY_CALLS a
 /// of two indexes and two tables, a few dozen pages; 512 KiB holds them and
 /// bounds what the simulator can hold in memory, whatever it remembers.
 pub const SIMULATOR_CACHE_MAX_KIB: i64 = 512;
+/// Deadline of one acquirer call (`--acquirer-timeout`) unless configured,
+/// and unless half the in-flight timeout is shorter. A real authorization
+/// answers within seconds; one still silent after 30 s is more likely lost
+/// than slow, and the client is better served by a 503 and a retry (which
+/// asks again with the same key, so it cannot authorize twice). 30 s is also
+/// the most that fits the default 60 s `--inflight-timeout` under
+/// [`INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN`].
+pub const ACQUIRER_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+/// The in-flight timeout must be at least this many acquirer timeouts. An
+/// owner's lock is taken at reservation and refreshed at its recovery
+/// point; between the two lie the operation queue, the pre-check, the
+/// acquirer call and the recovery point's write behind a writer batch. The
+/// acquirer gets at most half of the in-flight timeout, counted from the
+/// lock, so the other half is left for the rest and a live owner always
+/// refreshes its lock before anyone may take it over: takeover is for dead
+/// or stuck owners only, never a slow acquirer.
+pub const INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN: u32 = 2;
+/// An acquirer call that returns this much past its deadline ignored it (a
+/// thread woken at the deadline is late by scheduling only): logged, so
+/// an embedder's acquirer that overruns shows up before owners are taken
+/// over.
+pub const ACQUIRER_OVERRUN_TOLERANCE: Duration = Duration::from_millis(100);
 /// Seconds a 409 asks the client to wait (`Retry-After`).
 pub const RETRY_AFTER_IN_USE_SECONDS: u32 = 1;
 /// Seconds a 503 asks the client to wait (`Retry-After`).
@@ -269,7 +291,14 @@ pub struct Config {
     pub key_retention: Duration,
     pub inflight_timeout: Duration,
     pub reaper_interval: Duration,
+    /// How long the built-in simulator takes to decide an authorization.
     pub acquirer_latency: Duration,
+    /// Deadline of every acquirer call (`--acquirer-timeout`): a call not
+    /// answered by then is a transient failure (503, key unlocked). At most
+    /// `inflight_timeout / INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN`, else the
+    /// server refuses to start; `None`: [`ACQUIRER_TIMEOUT_DEFAULT`] or that
+    /// bound, whichever is shorter ([`Config::effective_acquirer_timeout`]).
+    pub acquirer_timeout: Option<Duration>,
     pub synchronous: Synchronous,
     pub commit_batch_max: usize,
     /// The HTTP engine's limits (timeouts, header bytes, connection cap).
@@ -291,6 +320,7 @@ impl Config {
             inflight_timeout: Duration::from_secs(60),
             reaper_interval: Duration::from_secs(10),
             acquirer_latency: Duration::ZERO,
+            acquirer_timeout: None,
             synchronous: Synchronous::Full,
             commit_batch_max: COMMIT_BATCH_MAX_DEFAULT,
             http: HttpLimits::default(),
@@ -298,6 +328,41 @@ impl Config {
             hooks: Hooks::default(),
             verify_on_start: true,
         }
+    }
+}
+
+impl Config {
+    /// The deadline every acquirer call gets: `acquirer_timeout` if set,
+    /// else the default capped to fit the in-flight timeout.
+    pub fn effective_acquirer_timeout(&self) -> Duration {
+        self.acquirer_timeout.unwrap_or_else(|| {
+            ACQUIRER_TIMEOUT_DEFAULT.min(self.inflight_timeout / INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN)
+        })
+    }
+
+    /// Refuses settings that contradict each other: an acquirer deadline
+    /// that does not fit in the in-flight timeout (with the margin of
+    /// [`INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN`]) would let a live owner be
+    /// taken over while it waits for the acquirer, and every retry restart
+    /// the call. The message names both flags.
+    pub fn validate(&self) -> Result<(), String> {
+        let Some(timeout) = self.acquirer_timeout else {
+            return Ok(());
+        };
+        if timeout.is_zero() {
+            return Err("--acquirer-timeout must be longer than 0ms".into());
+        }
+        let most = self.inflight_timeout / INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN;
+        if timeout > most {
+            return Err(format!(
+                "--acquirer-timeout {timeout:?} does not fit in --inflight-timeout {:?}: \
+                 it may be at most 1/{INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN} of it ({most:?}), so that \
+                 an owner waiting for the acquirer reaches its recovery point before it can be \
+                 taken over; lower --acquirer-timeout or raise --inflight-timeout",
+                self.inflight_timeout
+            ));
+        }
+        Ok(())
     }
 }
 

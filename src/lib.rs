@@ -261,6 +261,7 @@ fn check_on_start(db: &Path, conn: &rusqlite::Connection) -> Result<()> {
 /// opened or created.
 fn check_config(config: &Config) -> Result<()> {
     refuse_memory(config)?;
+    config.validate().map_err(Error::Usage)?;
     config.http.validate().map_err(Error::Config)
 }
 

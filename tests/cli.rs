@@ -45,7 +45,9 @@ fn every_command_has_help_and_bad_usage_exits_2() {
         "--acquirer-latency",
         "--synchronous",
         "--commit-batch-max",
+        "--acquirer-timeout",
         "IDEM_KEY_RETENTION",
+        "IDEM_ACQUIRER_TIMEOUT",
     ] {
         assert!(serve_help.contains(flag), "serve --help lacks {flag}");
     }
@@ -58,6 +60,8 @@ fn every_command_has_help_and_bad_usage_exits_2() {
         &["serve", "--reaper-interval", "0s"],
         &["serve", "--inflight-timeout", "0ms"],
         &["serve", "--key-retention", "0s"],
+        &["serve", "--acquirer-timeout", "0ms"],
+        &["serve", "--acquirer-timeout", "soon"],
         &["consumers", "create"],
     ] {
         let out = idem(args);
@@ -185,6 +189,84 @@ fn serve_refuses_what_it_cannot_run_on() {
         stderr.contains("newer") && stderr.lines().count() == 1,
         "{stderr}"
     );
+}
+
+/// Runs `idem serve` on a fresh database with `args` and `env`; returns its
+/// exit code (`None`: still running after 10 s, then killed), its stderr,
+/// and whether the directory is still empty.
+fn serve_once(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, bool) {
+    let dir = TempDir::new("serve-once");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["serve", "--addr", "127.0.0.1:0", "--db"])
+        .arg(dir.db())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let empty = std::fs::read_dir(&dir.0).unwrap().count() == 0;
+    (code, stderr, empty)
+}
+
+/// Flags and environment variables of one `idem serve`.
+type ServeCase<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
+
+/// `--acquirer-timeout` must fit in `--inflight-timeout` with half of it to
+/// spare, from flags or environment: otherwise exit 2, before anything is
+/// created, with one line naming both flags. The largest that fits starts.
+#[test]
+fn serve_refuses_an_acquirer_timeout_that_does_not_fit() {
+    let cases: &[ServeCase] = &[
+        (&["--acquirer-timeout", "31s"], &[]),
+        (
+            &["--inflight-timeout", "1s", "--acquirer-timeout", "501ms"],
+            &[],
+        ),
+        (
+            &["--inflight-timeout", "1s"],
+            &[("IDEM_ACQUIRER_TIMEOUT", "600ms")],
+        ),
+        (
+            &[],
+            &[
+                ("IDEM_INFLIGHT_TIMEOUT", "10s"),
+                ("IDEM_ACQUIRER_TIMEOUT", "6s"),
+            ],
+        ),
+    ];
+    for (args, env) in cases {
+        let (code, stderr, empty) = serve_once(args, env);
+        assert_eq!(code, Some(2), "{args:?} {env:?}: {stderr}");
+        assert!(
+            stderr.contains("--acquirer-timeout")
+                && stderr.contains("--inflight-timeout")
+                && stderr.trim().lines().count() == 1,
+            "{args:?} {env:?}: {stderr}"
+        );
+        assert!(empty, "{args:?} {env:?}: nothing created");
+    }
+    let dir = TempDir::new("acquirer-timeout-fits");
+    let fits = ChildServer::start(
+        &dir.db(),
+        &["--inflight-timeout", "1s", "--acquirer-timeout", "500ms"],
+        &[],
+    );
+    fits.kill();
 }
 
 #[test]

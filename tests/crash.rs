@@ -289,8 +289,9 @@ fn reaper_completes_an_orphan_nobody_retries() {
     support::assert_verified(&db);
 }
 
-/// An acquirer whose first call blocks until released: the first owner is
-/// stuck inside it past the in-flight timeout.
+/// An acquirer whose first call blocks until released, ignoring its
+/// deadline: the first owner is truly stuck inside it past the in-flight
+/// timeout (what the deadline cannot prevent, fencing makes harmless).
 struct StuckFirstCall {
     calls: std::sync::atomic::AtomicUsize,
     /// Told when the first call is inside the acquirer.
@@ -305,12 +306,13 @@ impl Acquirer for StuckFirstCall {
         key: &str,
         amount: i64,
         currency: &str,
+        deadline: std::time::Instant,
     ) -> Result<Authorization, Unavailable> {
         if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
             let _ = self.entered.send(());
             let _ = self.release.recv_timeout(Duration::from_secs(20));
         }
-        self.inner.authorize(key, amount, currency)
+        self.inner.authorize(key, amount, currency, deadline)
     }
 }
 

@@ -8,6 +8,8 @@
 
 mod simulator;
 
+use std::time::Instant;
+
 pub use simulator::{Call, CallKind, Clock, Simulator, StoredAuthorization};
 
 /// An approved authorization.
@@ -27,10 +29,27 @@ pub struct Unavailable(pub String);
 pub trait Acquirer: Send + Sync {
     /// Authorizes `amount` of `currency`. Calls with the same `key` return
     /// the same authorization.
+    ///
+    /// Implementations must return by `deadline`: a real one uses the time
+    /// left as its HTTP timeout (connect, request and response together)
+    /// and answers [`Unavailable`] once it passes. The owner then unlocks
+    /// its key and answers 503, and the next retry calls again with the
+    /// same `key`, which is what makes giving up safe: the acquirer may
+    /// have authorized, and will say so.
+    ///
+    /// The caller cannot cancel a call that overruns (a blocked thread
+    /// cannot be interrupted), so it waits: the answer is still recorded if
+    /// the owner still holds its key. An overrun long enough to pass the
+    /// in-flight timeout gets the key taken over and this owner fenced off
+    /// (its answer is never applied twice), but its client waits all that
+    /// time, and an overrun is logged. The deadline is at most
+    /// `--acquirer-timeout` away, and leaves at least as long again before
+    /// the owner's lock could be taken over.
     fn authorize(
         &self,
         key: &str,
         amount: i64,
         currency: &str,
+        deadline: Instant,
     ) -> Result<Authorization, Unavailable>;
 }

@@ -33,7 +33,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 use uuid::Uuid;
@@ -467,19 +467,31 @@ impl Store {
 }
 
 impl Acquirer for Simulator {
-    /// Approves after the latency, deduplicating by key: the first call for
-    /// a key makes the authorization, decided `latency` after it arrived; a
-    /// repeated call answers with it as soon as it is decided.
+    /// Approves after the latency, deduplicating by key, within `deadline`.
+    /// The first call for a key makes the authorization, decided `latency`
+    /// after the call arrived, whether or not that caller is still waiting
+    /// (like a real acquirer, which goes on after its client timed out); a
+    /// call answers as soon as its key's authorization is decided, or
+    /// `Unavailable` at its deadline if that comes first.
     fn authorize(
         &self,
         key: &str,
         amount: i64,
         currency: &str,
+        deadline: Instant,
     ) -> Result<Authorization, Unavailable> {
         let now = (self.clock)();
+        let left = deadline.saturating_duration_since(Instant::now());
+        let deadline_ms = now.saturating_add(left.as_millis() as i64);
         let answer = self
-            .call(key, amount, currency, now, i64::MAX)
+            .call(key, amount, currency, now, deadline_ms)
             .map_err(|e| Unavailable(format!("acquirer simulator: {e}")))?;
+        if answer.ready_at_ms > deadline_ms {
+            std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
+            return Err(Unavailable(format!(
+                "acquirer timed out: no answer for {key} within {left:?}"
+            )));
+        }
         let wait_ms = answer.ready_at_ms.saturating_sub(now);
         if wait_ms > 0 {
             std::thread::sleep(Duration::from_millis(wait_ms as u64));
