@@ -40,19 +40,24 @@ use uuid::Uuid;
 
 use super::{Acquirer, Authorization, Unavailable};
 use crate::config::{
-    BUSY_TIMEOUT, KEY_RETENTION_DEFAULT, SIMULATOR_CACHE_MAX_KIB, SIMULATOR_PRUNE_BATCH_LEN,
-    SIMULATOR_PRUNE_EVERY_CALLS,
+    BUSY_TIMEOUT, KEY_RETENTION_DEFAULT, SIMULATOR_CACHE_MAX_KIB, SIMULATOR_PAGE_SIZE_BYTES,
+    SIMULATOR_PRUNE_BATCH_LEN, SIMULATOR_PRUNE_EVERY_CALLS,
 };
 use crate::error::{Error, Result};
 use crate::time::now_ms;
 
 /// The simulator's schema. `state` and the call kinds beyond `authorize`
 /// are for the two-phase charges to come (capture, void, refund).
+///
+/// Every call commits, so every B-tree is a page written per call: three
+/// (the two tables and the key's index), on pages of
+/// [`SIMULATOR_PAGE_SIZE_BYTES`]. Nothing else is indexed: ids follow the
+/// clock, so pruning walks the oldest ids instead of a time index.
 const SCHEMA_SQL: &str = "
 CREATE TABLE authorizations (
     id               INTEGER PRIMARY KEY,
     key              TEXT    NOT NULL UNIQUE,
-    authorization_id TEXT    NOT NULL UNIQUE,
+    authorization_id TEXT    NOT NULL,
     amount           INTEGER NOT NULL,
     currency         TEXT    NOT NULL,
     state            TEXT    NOT NULL DEFAULT 'authorized'
@@ -61,7 +66,6 @@ CREATE TABLE authorizations (
     -- when the authorization is decided: a call answers no sooner
     ready_at         INTEGER NOT NULL
 );
-CREATE INDEX authorizations_by_created_at ON authorizations (created_at);
 CREATE TABLE calls (
     id               INTEGER PRIMARY KEY,
     kind             TEXT    NOT NULL
@@ -74,7 +78,6 @@ CREATE TABLE calls (
     timed_out        INTEGER NOT NULL CHECK (timed_out IN (0, 1)),
     at               INTEGER NOT NULL
 );
-CREATE INDEX calls_by_at ON calls (at);
 ";
 /// The simulator file's `PRAGMA user_version`.
 const SCHEMA_VERSION: i64 = 1;
@@ -188,6 +191,8 @@ impl Simulator {
                 path.display()
             ))
         })?;
+        // Before anything is written: the page size of a new file.
+        conn.pragma_update(None, "page_size", SIMULATOR_PAGE_SIZE_BYTES)?;
         let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(Error::Other(format!(
@@ -449,16 +454,20 @@ impl Store {
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
         let batch = SIMULATOR_PRUNE_BATCH_LEN as i64;
+        // Among the oldest ids, those past the cutoff: a bounded walk, no
+        // time index. A row stamped out of order (the clock stepped back)
+        // waits until it is old itself, and at most a batch of rows past
+        // the cutoff waits behind it.
         let authorizations = tx
             .prepare_cached(
-                "DELETE FROM authorizations WHERE id IN (SELECT id FROM authorizations \
-                 WHERE created_at < ?1 ORDER BY created_at LIMIT ?2)",
+                "DELETE FROM authorizations WHERE id IN \
+                 (SELECT id FROM authorizations ORDER BY id LIMIT ?2) AND created_at < ?1",
             )?
             .execute(params![cutoff, batch])?;
         let calls = tx
             .prepare_cached(
                 "DELETE FROM calls WHERE id IN \
-                 (SELECT id FROM calls WHERE at < ?1 ORDER BY at LIMIT ?2)",
+                 (SELECT id FROM calls ORDER BY id LIMIT ?2) AND at < ?1",
             )?
             .execute(params![cutoff, batch])?;
         tx.commit()?;
