@@ -12,6 +12,18 @@
 //! memory per key; SQLite's page cache is capped at
 //! [`SIMULATOR_CACHE_MAX_KIB`].
 //!
+//! Why the key retention is the bound: once a key is past it, the key row is
+//! deleted and the same idempotency key is a new request with a new
+//! operation id, so the old operation id never calls again. The edge is an
+//! operation still in progress when its authorization is forgotten: one
+//! left at its `reserved` recovery point (authorized, recovery point not
+//! recorded) for longer than the retention — the server was down that long,
+//! or every retry failed that long. A key in progress is never deleted
+//! (retention counts from completion), but the simulator cannot tell, so
+//! that operation's next call is authorized afresh: a second authorization
+//! at the acquirer, though still one charge in the ledger. A real
+//! acquirer's idempotency window has the same edge.
+//!
 //! Durability: WAL with `synchronous=NORMAL`. A committed row survives a
 //! kill of the process (the crash tests SIGKILL and abort the server), not
 //! necessarily a power cut — as with the v1 text journal, which was written
@@ -111,13 +123,15 @@ impl CallKind {
 /// One call the simulator received, as its journal keeps it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Call {
+    /// What was asked.
     pub kind: CallKind,
     /// The acquirer-side idempotency key (the operation's `op_id`).
     pub key: String,
     /// The authorization the call concerns (created by it or found).
     pub authorization: String,
-    /// What the call asked for.
+    /// The amount the call asked for, in minor units.
     pub amount: i64,
+    /// The currency the call asked for.
     pub currency: String,
     /// This call made a new authorization (false: it found one for its
     /// key). An authorization imported from a v1 text journal is journaled
@@ -135,9 +149,13 @@ pub struct Call {
 pub struct StoredAuthorization {
     /// The acquirer-side idempotency key.
     pub key: String,
+    /// The authorization id given for it (`auth_…`).
     pub id: String,
+    /// The amount authorized, in minor units.
     pub amount: i64,
+    /// The currency authorized.
     pub currency: String,
+    /// When it was made (for an imported v1 line: when it was imported).
     pub created_at_ms: i64,
 }
 
