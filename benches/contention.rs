@@ -804,9 +804,11 @@ impl Bench {
         let run = driver.join().unwrap();
         assert_one_charge_per_201(&server, &run);
         let mib = |v: &Value| v.as_f64().unwrap() / (1024.0 * 1024.0);
+        let flags = server_args(&[]).join(" ");
         println!(
             "\n## rss: {RSS_CONNS} connections of unique charges for {seconds} s \
-             (default flags), server RSS sampled from /proc/PID/status\n"
+             (flags: {}), server RSS sampled from /proc/PID/status\n",
+            if flags.is_empty() { "defaults" } else { &flags }
         );
         println!("| s | charges | RSS MiB | ledger db+wal MiB | acquirer db+wal MiB |");
         println!("|---|---|---|---|---|");
@@ -836,7 +838,7 @@ impl Bench {
         );
         self.results.insert(
             "rss".into(),
-            json!({"connections": RSS_CONNS, "seconds": seconds, "samples": samples,
+            json!({"connections": RSS_CONNS, "seconds": seconds, "flags": flags, "samples": samples,
                    "rss_bytes_per_charge": per_charge, "peak_rss_kib": server.peak_rss_kib(),
                    "per_second": run.rate()}),
         );
