@@ -336,9 +336,7 @@ impl Config {
             verify_on_start: true,
         }
     }
-}
 
-impl Config {
     /// The deadline every acquirer call gets: `acquirer_timeout` if set,
     /// else the default capped to fit the in-flight timeout.
     pub fn effective_acquirer_timeout(&self) -> Duration {
