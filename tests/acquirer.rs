@@ -370,7 +370,7 @@ fn a_slow_acquirer_does_not_livelock_retries() {
 fn a_call_past_its_deadline_answers_503_at_once_and_unlocks() {
     let _serial = serial();
     const TIMEOUT: Duration = Duration::from_millis(300);
-    const LATENCY: Duration = Duration::from_millis(1500);
+    const LATENCY: Duration = Duration::from_millis(2500);
     let (server, client) = support::server(|c| {
         c.acquirer_latency = LATENCY;
         c.acquirer_timeout = Some(TIMEOUT);
