@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 use serde::Serialize;
@@ -19,8 +20,8 @@ use serde_json::Value;
 use crate::acquirer::Acquirer;
 use crate::api::{Answer, Deliver, Problem, Reply};
 use crate::config::{
-    Config, FaultPoint, OPERATION_QUEUE_LEN_MAX, OPERATION_THREADS, RESERVATION_QUEUE_LEN_MAX,
-    RESERVATION_THREADS,
+    Config, FaultPoint, ACQUIRER_OVERRUN_TOLERANCE, OPERATION_QUEUE_LEN_MAX, OPERATION_THREADS,
+    RESERVATION_QUEUE_LEN_MAX, RESERVATION_THREADS,
 };
 use crate::consumers;
 use crate::error::{Error, Result};
@@ -418,10 +419,12 @@ impl App {
                     .expect("fingerprints are 32 bytes");
                 let authorization = match row.recovery_point {
                     RecoveryPoint::Authorized => row.authorization.clone().unwrap_or_default(),
-                    RecoveryPoint::Reserved => match self.authorize(&owner, &req, &fp) {
-                        Ok(auth) => auth,
-                        Err(reply) => return reply,
-                    },
+                    RecoveryPoint::Reserved => {
+                        match self.authorize(&owner, row.locked_at_ms, &req, &fp) {
+                            Ok(auth) => auth,
+                            Err(reply) => return reply,
+                        }
+                    }
                 };
                 if let Some(hook) = &self.config.hooks.before_ledger_phase {
                     hook(&owner.op_id);
@@ -440,11 +443,13 @@ impl App {
     }
 
     /// The steps between reservation and the ledger phase of a charge: the
-    /// pre-check (a final outcome needs no acquirer), the acquirer call and
-    /// its recovery point. `Err` is the reply to give instead.
+    /// pre-check (a final outcome needs no acquirer), the acquirer call
+    /// within its deadline and its recovery point. `locked_at_ms` is when
+    /// `owner`'s lock was taken. `Err` is the reply to give instead.
     fn authorize(
         &self,
         owner: &Owner,
+        locked_at_ms: i64,
         req: &ChargeRequest,
         fp: &Fingerprint,
     ) -> Result<String, Reply> {
@@ -461,10 +466,21 @@ impl App {
             Ok(None) => {}
         }
         self.fault(FaultPoint::AfterReserve);
-        let auth = match self
-            .acquirer
-            .authorize(&owner.op_id, req.amount, req.currency.as_str())
-        {
+        let Some(deadline) = self.acquirer_deadline(locked_at_ms) else {
+            let why = "the operation waited past its acquirer deadline before calling".into();
+            return Err(self.give_up(owner, Error::Acquirer(why)));
+        };
+        let called =
+            self.acquirer
+                .authorize(&owner.op_id, req.amount, req.currency.as_str(), deadline);
+        let overrun = Instant::now().saturating_duration_since(deadline);
+        if overrun > ACQUIRER_OVERRUN_TOLERANCE {
+            log::warn!(
+                "operation {}: the acquirer answered {overrun:?} past its deadline",
+                owner.op_id
+            );
+        }
+        let auth = match called {
             Ok(auth) => auth,
             Err(e) => return Err(self.give_up(owner, Error::Acquirer(e.0))),
         };
@@ -481,6 +497,21 @@ impl App {
         }
         self.fault(FaultPoint::AfterRecoveryPoint);
         Ok(auth.id)
+    }
+
+    /// When the acquirer call of an owner whose lock was taken at
+    /// `locked_at_ms` must answer: `--acquirer-timeout` after the lock, not
+    /// after the call starts, so that time spent in the operation queue
+    /// counts too and the owner reaches its recovery point with the rest of
+    /// the in-flight timeout to spare. `None`: that time has already passed.
+    fn acquirer_deadline(&self, locked_at_ms: i64) -> Option<Instant> {
+        let since_lock = u64::try_from(now_ms().saturating_sub(locked_at_ms)).unwrap_or(0);
+        let left = self
+            .config
+            .effective_acquirer_timeout()
+            .checked_sub(Duration::from_millis(since_lock))
+            .filter(|left| !left.is_zero())?;
+        Some(Instant::now() + left)
     }
 
     /// Commits `effect` and the stored answer together, if `owner` still

@@ -90,9 +90,12 @@ struct ServeArgs {
     /// How often the reaper completes orphans and deletes expired keys.
     #[arg(long, env = "IDEM_REAPER_INTERVAL", default_value = "10s", value_parser = parse_positive_duration)]
     reaper_interval: Duration,
-    /// Latency of the built-in simulated acquirer.
+    /// Latency of the built-in simulated acquirer: how long it takes to decide a new authorization (a repeated call for the same operation answers once it is decided).
     #[arg(long, env = "IDEM_ACQUIRER_LATENCY", default_value = "0ms", value_parser = parse_duration)]
     acquirer_latency: Duration,
+    /// Deadline of every acquirer call; one not answered by then is a transient failure (503, key unlocked, the retry asks again). At most half of --inflight-timeout [default: 30s, or half of --inflight-timeout if that is shorter].
+    #[arg(long, env = "IDEM_ACQUIRER_TIMEOUT", value_parser = parse_positive_duration)]
+    acquirer_timeout: Option<Duration>,
     /// SQLite synchronous mode: `full` loses no acknowledged charge on power
     /// loss; `normal` is faster and may lose the last commits on power loss.
     #[arg(long, env = "IDEM_SYNCHRONOUS", value_enum, default_value = "full")]
@@ -277,6 +280,7 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
     config.inflight_timeout = args.inflight_timeout;
     config.reaper_interval = args.reaper_interval;
     config.acquirer_latency = args.acquirer_latency;
+    config.acquirer_timeout = args.acquirer_timeout;
     config.synchronous = match args.synchronous {
         SyncArg::Full => Synchronous::Full,
         SyncArg::Normal => Synchronous::Normal,

@@ -208,11 +208,12 @@ impl Acquirer for Flaky {
         key: &str,
         amount: i64,
         currency: &str,
+        deadline: std::time::Instant,
     ) -> Result<Authorization, Unavailable> {
         if self.calls.fetch_add(1, Ordering::SeqCst) < self.failures {
             return Err(Unavailable("connection reset".into()));
         }
-        self.inner.authorize(key, amount, currency)
+        self.inner.authorize(key, amount, currency, deadline)
     }
 }
 

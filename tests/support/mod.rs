@@ -452,8 +452,9 @@ impl idem::acquirer::Acquirer for CountingAcquirer {
         key: &str,
         amount: i64,
         currency: &str,
+        deadline: std::time::Instant,
     ) -> Result<idem::acquirer::Authorization, idem::acquirer::Unavailable> {
         self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.authorize(key, amount, currency)
+        self.inner.authorize(key, amount, currency, deadline)
     }
 }
