@@ -13,7 +13,9 @@
 //! (vs spread accounts), `retry_storm` (vs unique keys), `floor` (the same
 //! charges through the library on an in-process server with the default
 //! configuration — `IDEM_BENCH_SERVER_ARGS` does not reach it — vs HTTP),
-//! and, only when named, `batch_sweep` (how the default
+//! `rss` (the server's RSS over a long run of unique charges, sampled at
+//! intervals, vs its first sample under load), and, only when named,
+//! `batch_sweep` (how the default
 //! `--commit-batch-max` was chosen).
 //! Results go to `target/bench/contention.json`.
 //!
@@ -21,7 +23,8 @@
 //! `IDEM_BENCH_ROUNDS` how many alternating rounds `unique` runs (default 3,
 //! the median is reported);
 //! `IDEM_BENCH_SERVER_ARGS` adds flags to every server started;
-//! `IDEM_BENCH_UNIQUE_CONNS` picks the connection counts of `unique`.
+//! `IDEM_BENCH_UNIQUE_CONNS` picks the connection counts of `unique`;
+//! `IDEM_BENCH_RSS_SECONDS` the length of `rss` (default 60).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -81,13 +84,32 @@ impl ServerProc {
 
     /// Peak resident set size so far (VmHWM), in KiB.
     fn peak_rss_kib(&self) -> u64 {
+        self.status_kib("VmHWM:")
+    }
+
+    /// Resident set size now (VmRSS), in KiB.
+    fn rss_kib(&self) -> u64 {
+        self.status_kib("VmRSS:")
+    }
+
+    /// A `kB` field of `/proc/PID/status`.
+    fn status_kib(&self, field: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
             .unwrap_or_default();
         status
             .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
             .unwrap_or(0)
+    }
+
+    /// Bytes on disk of the file `name` in the server's directory, with its
+    /// `-wal`.
+    fn file_bytes(&self, name: &str) -> u64 {
+        [name.to_string(), format!("{name}-wal")]
+            .iter()
+            .map(|f| std::fs::metadata(self._dir.0.join(f)).map_or(0, |m| m.len()))
+            .sum()
     }
 }
 
@@ -283,6 +305,21 @@ fn commit_counters(addr: SocketAddr, key: &str) -> (f64, f64) {
         value("idem_commit_batch_size_sum "),
         value("idem_commit_batch_size_count "),
     )
+}
+
+/// Charges answered 201 so far, from the server's metrics.
+fn charges_created(addr: SocketAddr, key: &str) -> u64 {
+    let metrics = Conn::new(addr, key)
+        .request("GET", "/metrics", None, "")
+        .unwrap();
+    String::from_utf8(metrics.body)
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("idem_http_requests_total{route=\"/v1/charges\",status=\"201\"} ")
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn assert_one_charge_per_201(server: &ServerProc, run: &Run) {
@@ -538,6 +575,11 @@ struct Bench {
 const HOT_KEY_CONNS: usize = 64;
 const LOSER_PAUSE: Duration = Duration::from_millis(10);
 
+/// The RSS scenario: connections sending unique charges, and how many times
+/// the server's RSS is sampled over the run (plus once before it).
+const RSS_CONNS: usize = 16;
+const RSS_SAMPLES: u32 = 12;
+
 /// What a connection thread sends next: (idempotency key, body) for the
 /// connection's index and its request counter.
 type Next = Arc<dyn Fn(usize, u64) -> (String, String) + Send + Sync>;
@@ -728,6 +770,80 @@ impl Bench {
     }
 
     /// How `--commit-batch-max` was chosen: 64 connections, unique keys.
+    /// RSS over a long run of unique charges (`IDEM_BENCH_RSS_SECONDS`,
+    /// default 60): the server child's VmRSS sampled from /proc at equal
+    /// intervals, with the charges made so far and the size on disk of the
+    /// ledger and of the acquirer simulator's file. What the server holds
+    /// per charge ever made shows up as RSS growing with the charges.
+    fn rss(&mut self) {
+        let seconds: f64 = std::env::var("IDEM_BENCH_RSS_SECONDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(60.0);
+        let duration = Duration::from_secs_f64(seconds);
+        let server = ServerProc::start(&[]);
+        setup_accounts(server.addr, &server.key, RSS_CONNS);
+        let sample = |at: Duration| {
+            json!({
+                "seconds": at.as_secs_f64(),
+                "charges": charges_created(server.addr, &server.key),
+                "rss_kib": server.rss_kib(),
+                "ledger_bytes": server.file_bytes("idem.db"),
+                "acquirer_bytes": server.file_bytes("idem.db.acquirer.sqlite"),
+            })
+        };
+        let mut samples = vec![sample(Duration::ZERO)];
+        let (addr, key) = (server.addr, server.key.clone());
+        let next = unique_keys(RSS_CONNS, false);
+        let driver = std::thread::spawn(move || drive(addr, &key, RSS_CONNS, duration, next));
+        let started = Instant::now();
+        for i in 1..=RSS_SAMPLES {
+            std::thread::sleep((duration * i / RSS_SAMPLES).saturating_sub(started.elapsed()));
+            samples.push(sample(started.elapsed()));
+        }
+        let run = driver.join().unwrap();
+        assert_one_charge_per_201(&server, &run);
+        let mib = |v: &Value| v.as_f64().unwrap() / (1024.0 * 1024.0);
+        let flags = server_args(&[]).join(" ");
+        println!(
+            "\n## rss: {RSS_CONNS} connections of unique charges for {seconds} s \
+             (flags: {}), server RSS sampled from /proc/PID/status\n",
+            if flags.is_empty() { "defaults" } else { &flags }
+        );
+        println!("| s | charges | RSS MiB | ledger db+wal MiB | acquirer db+wal MiB |");
+        println!("|---|---|---|---|---|");
+        for s in &samples {
+            println!(
+                "| {:.0} | {} | {:.1} | {:.1} | {:.1} |",
+                s["seconds"].as_f64().unwrap(),
+                s["charges"],
+                s["rss_kib"].as_f64().unwrap() / 1024.0,
+                mib(&s["ledger_bytes"]),
+                mib(&s["acquirer_bytes"]),
+            );
+        }
+        // From the first sample under load (caches and pools warm) to the
+        // last: what each further charge costs in RSS.
+        let (first, last) = (&samples[1], &samples[samples.len() - 1]);
+        let charges = last["charges"].as_f64().unwrap() - first["charges"].as_f64().unwrap();
+        let grown_kib = last["rss_kib"].as_f64().unwrap() - first["rss_kib"].as_f64().unwrap();
+        let per_charge = grown_kib * 1024.0 / charges;
+        println!(
+            "\nRSS {:.1} MiB -> {:.1} MiB over {charges:.0} more charges: {per_charge:.1} bytes per charge; \
+             peak {:.1} MiB; {:.0} charges/s",
+            first["rss_kib"].as_f64().unwrap() / 1024.0,
+            last["rss_kib"].as_f64().unwrap() / 1024.0,
+            server.peak_rss_kib() as f64 / 1024.0,
+            run.rate(),
+        );
+        self.results.insert(
+            "rss".into(),
+            json!({"connections": RSS_CONNS, "seconds": seconds, "flags": flags, "samples": samples,
+                   "rss_bytes_per_charge": per_charge, "peak_rss_kib": server.peak_rss_kib(),
+                   "per_second": run.rate()}),
+        );
+    }
+
     fn batch_sweep(&mut self) {
         const CONNS: usize = 64;
         let mut rows = Vec::new();
@@ -911,6 +1027,9 @@ fn main() {
     }
     if want("floor") {
         bench.floor();
+    }
+    if want("rss") {
+        bench.rss();
     }
     // Not in the default set: it only re-derives the default batch size.
     if selected.iter().any(|s| s == "batch_sweep") {

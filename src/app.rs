@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 use serde::Serialize;
@@ -19,8 +20,8 @@ use serde_json::Value;
 use crate::acquirer::Acquirer;
 use crate::api::{Answer, Deliver, Problem, Reply};
 use crate::config::{
-    Config, FaultPoint, OPERATION_QUEUE_LEN_MAX, OPERATION_THREADS, RESERVATION_QUEUE_LEN_MAX,
-    RESERVATION_THREADS,
+    Config, FaultPoint, ACQUIRER_OVERRUN_TOLERANCE, OPERATION_QUEUE_LEN_MAX, OPERATION_THREADS,
+    RESERVATION_QUEUE_LEN_MAX, RESERVATION_THREADS,
 };
 use crate::consumers;
 use crate::error::{Error, Result};
@@ -489,9 +490,9 @@ impl App {
         let point = row.recovery_point;
         let result = match op {
             Operation::Charge(req) => self.run_charge(&row, req),
-            Operation::Capture(req) => self.run_capture(&owner, point, req),
-            Operation::Cancel(req) => self.run_cancel(&owner, point, req),
-            Operation::Refund(req) => self.run_refund(&owner, point, req),
+            Operation::Capture(req) => self.run_capture(&owner, point, row.locked_at_ms, req),
+            Operation::Cancel(req) => self.run_cancel(&owner, point, row.locked_at_ms, req),
+            Operation::Refund(req) => self.run_refund(&owner, point, row.locked_at_ms, req),
             Operation::Account(req) => self.ledger_phase(&owner, "account", move |tx, o, now| {
                 ledger::create_account(tx, o.consumer_id, &req, now)
                     .map(account_response)
@@ -513,7 +514,7 @@ impl App {
             .try_into()
             .expect("fingerprints are 32 bytes");
         let authorization = match row.recovery_point {
-            RecoveryPoint::Reserved => self.authorize(&owner, &req, &fp)?,
+            RecoveryPoint::Reserved => self.authorize(&owner, row.locked_at_ms, &req, &fp)?,
             _ => row.authorization.clone().unwrap_or_default(),
         };
         if row.recovery_point != RecoveryPoint::Declined {
@@ -552,9 +553,11 @@ impl App {
                 return Ok(Reply::stored(stored, existing));
             }
         }
+        // The decline was just recorded (or the key just taken over): the
+        // lock is fresh, so the void has the whole deadline.
         let key = format!("{}:void", owner.op_id);
-        self.call_acquirer(&owner, "charge", || {
-            self.acquirer.void(&key, &authorization)
+        self.call_acquirer(&owner, now_ms(), "charge", |deadline| {
+            self.acquirer.void(&key, &authorization, deadline)
         })?;
         self.finish(&owner, "charge")
     }
@@ -566,14 +569,16 @@ impl App {
         &self,
         owner: &Owner,
         point: RecoveryPoint,
+        locked_at_ms: i64,
         req: CaptureRequest,
     ) -> Result<Reply, Reply> {
         let claim = Claim::Capture(req.amount);
         let (authorization, amount) = self.claimed(owner, &req.charge, claim)?;
         if point == RecoveryPoint::Reserved {
             self.fault(FaultPoint::AfterReserve, "capture");
-            self.call_acquirer(owner, "capture", || {
-                self.acquirer.capture(&owner.op_id, &authorization, amount)
+            self.call_acquirer(owner, locked_at_ms, "capture", |deadline| {
+                self.acquirer
+                    .capture(&owner.op_id, &authorization, amount, deadline)
             })?;
             self.record(owner, RecoveryPoint::Captured, "capture")?;
         }
@@ -592,13 +597,14 @@ impl App {
         &self,
         owner: &Owner,
         point: RecoveryPoint,
+        locked_at_ms: i64,
         req: CancelRequest,
     ) -> Result<Reply, Reply> {
         let (authorization, _) = self.claimed(owner, &req.charge, Claim::Cancel)?;
         if point == RecoveryPoint::Reserved {
             self.fault(FaultPoint::AfterReserve, "cancel");
-            self.call_acquirer(owner, "cancel", || {
-                self.acquirer.void(&owner.op_id, &authorization)
+            self.call_acquirer(owner, locked_at_ms, "cancel", |deadline| {
+                self.acquirer.void(&owner.op_id, &authorization, deadline)
             })?;
             self.record(owner, RecoveryPoint::Voided, "cancel")?;
         }
@@ -626,6 +632,7 @@ impl App {
         &self,
         owner: &Owner,
         point: RecoveryPoint,
+        mut locked_at_ms: i64,
         req: RefundRequest,
     ) -> Result<Reply, Reply> {
         if point == RecoveryPoint::Reserved {
@@ -635,6 +642,8 @@ impl App {
             if let Committed::Completed(stored, existing) = committed {
                 return Ok(Reply::stored(stored, existing));
             }
+            // Recording the answer refreshed the lock.
+            locked_at_ms = now_ms();
         }
         let op_id = owner.op_id.clone();
         let applied = self.readers.read(|c| ledger::applied_refund(c, &op_id));
@@ -643,8 +652,9 @@ impl App {
             Ok(None) => return Err(self.give_up(owner, Error::Other("refund row missing".into()))),
             Err(e) => return Err(self.give_up(owner, e)),
         };
-        self.call_acquirer(owner, "refund", || {
-            self.acquirer.refund(&owner.op_id, &authorization, amount)
+        self.call_acquirer(owner, locked_at_ms, "refund", |deadline| {
+            self.acquirer
+                .refund(&owner.op_id, &authorization, amount, deadline)
         })?;
         self.finish(owner, "refund")
     }
@@ -663,19 +673,32 @@ impl App {
         }
     }
 
-    /// One acquirer call between two recovery points, with its fault points;
-    /// a failure is transient (503, key unlocked).
-    fn call_acquirer(
+    /// One acquirer call between two recovery points, given the deadline
+    /// of an owner whose lock was last refreshed at `locked_at_ms`, with its
+    /// fault point; a failure, or no time left, is transient (503, key
+    /// unlocked).
+    fn call_acquirer<T>(
         &self,
         owner: &Owner,
+        locked_at_ms: i64,
         kind: &str,
-        call: impl FnOnce() -> std::result::Result<(), crate::acquirer::Unavailable>,
-    ) -> Result<(), Reply> {
-        if let Err(e) = call() {
-            return Err(self.give_up(owner, Error::Acquirer(e.0)));
+        call: impl FnOnce(Instant) -> std::result::Result<T, crate::acquirer::Unavailable>,
+    ) -> Result<T, Reply> {
+        let Some(deadline) = self.acquirer_deadline(locked_at_ms) else {
+            let why = "the operation waited past its acquirer deadline before calling".into();
+            return Err(self.give_up(owner, Error::Acquirer(why)));
+        };
+        let called = call(deadline);
+        let overrun = Instant::now().saturating_duration_since(deadline);
+        if overrun > ACQUIRER_OVERRUN_TOLERANCE {
+            log::warn!(
+                "operation {}: the acquirer answered {overrun:?} past its deadline",
+                owner.op_id
+            );
         }
+        let answer = called.map_err(|e| self.give_up(owner, Error::Acquirer(e.0)))?;
         self.fault(FaultPoint::AfterAcquirer, kind);
-        Ok(())
+        Ok(answer)
     }
 
     /// Records a recovery point after an acquirer call.
@@ -711,11 +734,13 @@ impl App {
     }
 
     /// The steps between reservation and the ledger phase of a charge: the
-    /// pre-check (a final outcome needs no acquirer), the acquirer call and
-    /// its recovery point. `Err` is the reply to give instead.
+    /// pre-check (a final outcome needs no acquirer), the acquirer call
+    /// within its deadline and its recovery point. `locked_at_ms` is when
+    /// `owner`'s lock was taken. `Err` is the reply to give instead.
     fn authorize(
         &self,
         owner: &Owner,
+        locked_at_ms: i64,
         req: &ChargeRequest,
         fp: &Fingerprint,
     ) -> Result<String, Reply> {
@@ -746,14 +771,15 @@ impl App {
             Ok(None) => {}
         }
         self.fault(FaultPoint::AfterReserve, "charge");
-        let auth = match self
-            .acquirer
-            .authorize(&owner.op_id, req.amount, req.currency.as_str())
-        {
-            Ok(auth) => auth,
-            Err(e) => return Err(self.give_up(owner, Error::Acquirer(e.0))),
-        };
-        self.fault(FaultPoint::AfterAcquirer, "charge");
+        let auth = self.call_acquirer(owner, locked_at_ms, "charge", |deadline| {
+            self.acquirer.authorize(
+                &owner.op_id,
+                req.amount,
+                req.currency.as_str(),
+                req.capture,
+                deadline,
+            )
+        })?;
         let o = owner.clone();
         let auth_id = auth.id.clone();
         match self
@@ -766,6 +792,21 @@ impl App {
         }
         self.fault(FaultPoint::AfterRecoveryPoint, "charge");
         Ok(auth.id)
+    }
+
+    /// When the acquirer call of an owner whose lock was taken at
+    /// `locked_at_ms` must answer: `--acquirer-timeout` after the lock, not
+    /// after the call starts, so that time spent in the operation queue
+    /// counts too and the owner reaches its recovery point with the rest of
+    /// the in-flight timeout to spare. `None`: that time has already passed.
+    fn acquirer_deadline(&self, locked_at_ms: i64) -> Option<Instant> {
+        let since_lock = u64::try_from(now_ms().saturating_sub(locked_at_ms)).unwrap_or(0);
+        let left = self
+            .config
+            .effective_acquirer_timeout()
+            .checked_sub(Duration::from_millis(since_lock))
+            .filter(|left| !left.is_zero())?;
+        Some(Instant::now() + left)
     }
 
     /// Commits `effect` and what it decides for the key, if `owner` still
@@ -965,8 +1006,9 @@ impl App {
             return Ok(false);
         }
         let key = format!("expire:{}", hold.charge);
+        let deadline = Instant::now() + self.config.effective_acquirer_timeout();
         self.acquirer
-            .void(&key, &hold.authorization)
+            .void(&key, &hold.authorization, deadline)
             .map_err(|e| Error::Acquirer(e.0))?;
         self.fault(FaultPoint::AfterAcquirer, "expiry");
         let h = hold.clone();

@@ -94,9 +94,12 @@ struct ServeArgs {
     /// voids its authorization and releases it (`cancellation_reason: expired`).
     #[arg(long, env = "IDEM_AUTHORIZATION_TTL", default_value = "7d", value_parser = parse_authorization_ttl)]
     authorization_ttl: Duration,
-    /// Latency of the built-in simulated acquirer.
+    /// Latency of the built-in simulated acquirer: how long it takes to decide a new authorization (a repeated call for the same operation answers once it is decided).
     #[arg(long, env = "IDEM_ACQUIRER_LATENCY", default_value = "0ms", value_parser = parse_duration)]
     acquirer_latency: Duration,
+    /// Deadline of every acquirer call; one not answered by then is a transient failure (503, key unlocked, the retry asks again). At most half of --inflight-timeout [default: 30s, or half of --inflight-timeout if that is shorter].
+    #[arg(long, env = "IDEM_ACQUIRER_TIMEOUT", value_parser = parse_positive_duration)]
+    acquirer_timeout: Option<Duration>,
     /// SQLite synchronous mode: `full` loses no acknowledged charge on power
     /// loss; `normal` is faster and may lose the last commits on power loss.
     #[arg(long, env = "IDEM_SYNCHRONOUS", value_enum, default_value = "full")]
@@ -291,6 +294,7 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
     config.inflight_timeout = args.inflight_timeout;
     config.reaper_interval = args.reaper_interval;
     config.acquirer_latency = args.acquirer_latency;
+    config.acquirer_timeout = args.acquirer_timeout;
     config.synchronous = match args.synchronous {
         SyncArg::Full => Synchronous::Full,
         SyncArg::Normal => Synchronous::Normal,

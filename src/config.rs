@@ -70,6 +70,53 @@ pub const AUTHORIZATION_TTL_MAX: Duration = Duration::from_secs(365 * 24 * 3600)
 /// typo, and every duration then fits the i64 milliseconds of the database.
 pub const DURATION_MAX: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 pub const REAPER_DELETE_BATCH_LEN: usize = 500;
+/// How long a completed idempotency key is kept and replayed
+/// (`--key-retention`), unless configured: a day covers any client's retry
+/// schedule, including a batch job re-run the next morning.
+pub const KEY_RETENTION_DEFAULT: Duration = Duration::from_secs(24 * 3600);
+/// The acquirer simulator prunes what it remembers past its retention once
+/// every this many calls: one short `DELETE` under its lock, never on every
+/// call, and never on a timer of its own.
+pub const SIMULATOR_PRUNE_EVERY_CALLS: u32 = 256;
+/// Rows of each simulator table one prune deletes. A call adds at most one
+/// row to each, so 1024 per 256 calls forgets four times faster than it
+/// learns: a backlog (an imported v1 journal, a retention shortened on
+/// restart) drains while the simulator keeps up with any charge rate.
+pub const SIMULATOR_PRUNE_BATCH_LEN: usize = 1024;
+const _: () = assert!(SIMULATOR_PRUNE_BATCH_LEN >= SIMULATOR_PRUNE_EVERY_CALLS as usize);
+/// Page size of the acquirer simulator's file (set when it is created).
+/// Its rows are about 100 bytes and every call commits, writing one page of
+/// each of its three B-trees to the WAL: 1 KiB pages write 3 KiB per call
+/// where SQLite's default 4 KiB would write 12 KiB.
+pub const SIMULATOR_PAGE_SIZE_BYTES: i64 = 1024;
+/// The acquirer simulator's SQLite page cache. Its hot pages are the
+/// right-hand edges of its two tables and of the key index (operation ids
+/// are UUIDv7, so they grow with time) and the interior pages above them, a
+/// few dozen; 512 KiB holds them and bounds what the simulator keeps in
+/// memory, whatever it remembers on disk.
+pub const SIMULATOR_CACHE_MAX_KIB: i64 = 512;
+/// Deadline of one acquirer call (`--acquirer-timeout`) unless configured,
+/// and unless half the in-flight timeout is shorter. A real authorization
+/// answers within seconds; one still silent after 30 s is more likely lost
+/// than slow, and the client is better served by a 503 and a retry (which
+/// asks again with the same key, so it cannot authorize twice). 30 s is also
+/// the most that fits the default 60 s `--inflight-timeout` under
+/// [`INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN`].
+pub const ACQUIRER_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+/// The in-flight timeout must be at least this many acquirer timeouts. An
+/// owner's lock is taken at reservation and refreshed at its recovery
+/// point; between the two lie the operation queue, the pre-check, the
+/// acquirer call and the recovery point's write behind a writer batch. The
+/// acquirer gets at most half of the in-flight timeout, counted from the
+/// lock, so the other half is left for the rest and a live owner always
+/// refreshes its lock before anyone may take it over: takeover is for dead
+/// or stuck owners only, never a slow acquirer.
+pub const INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN: u32 = 2;
+/// An acquirer call that returns this much past its deadline ignored it (a
+/// thread woken at the deadline is late by scheduling only): logged, so
+/// an embedder's acquirer that overruns shows up before owners are taken
+/// over.
+pub const ACQUIRER_OVERRUN_TOLERANCE: Duration = Duration::from_millis(100);
 /// Seconds a 409 asks the client to wait (`Retry-After`).
 pub const RETRY_AFTER_IN_USE_SECONDS: u32 = 1;
 /// Seconds a 503 asks the client to wait (`Retry-After`).
@@ -108,7 +155,7 @@ const _: () = assert!(HEADER_BYTES_MAX >= HEADER_BYTES_MAX_FLOOR);
 pub const CONNECTIONS_MAX: usize = 1024;
 /// Descriptors the server needs besides connections and reader connections:
 /// the writer's database, WAL and shm, temp files, the lock, the acquirer
-/// journal, the listener, stdio, the runtime's epoll and eventfds.
+/// simulator's database, WAL and shm, the listener, stdio, the runtime's epoll and eventfds.
 pub const DESCRIPTORS_RESERVED: usize = 32;
 /// How long the accept loop waits after a failed `accept` (EMFILE: out of
 /// file descriptors) before trying again; the pending connection stays in
@@ -301,7 +348,14 @@ pub struct Config {
     pub key_retention: Duration,
     pub inflight_timeout: Duration,
     pub reaper_interval: Duration,
+    /// How long the built-in simulator takes to decide an authorization.
     pub acquirer_latency: Duration,
+    /// Deadline of every acquirer call (`--acquirer-timeout`): a call not
+    /// answered by then is a transient failure (503, key unlocked). At most
+    /// `inflight_timeout / INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN`, else the
+    /// server refuses to start; `None`: [`ACQUIRER_TIMEOUT_DEFAULT`] or that
+    /// bound, whichever is shorter ([`Config::effective_acquirer_timeout`]).
+    pub acquirer_timeout: Option<Duration>,
     pub synchronous: Synchronous,
     pub commit_batch_max: usize,
     /// The HTTP engine's limits (timeouts, header bytes, connection cap).
@@ -325,10 +379,11 @@ impl Config {
             db: db.into(),
             addr: "127.0.0.1:8080".parse().expect("valid literal address"),
             workers: default_workers(),
-            key_retention: Duration::from_secs(24 * 3600),
+            key_retention: KEY_RETENTION_DEFAULT,
             inflight_timeout: Duration::from_secs(60),
             reaper_interval: Duration::from_secs(10),
             acquirer_latency: Duration::ZERO,
+            acquirer_timeout: None,
             synchronous: Synchronous::Full,
             commit_batch_max: COMMIT_BATCH_MAX_DEFAULT,
             http: HttpLimits::default(),
@@ -338,6 +393,46 @@ impl Config {
             hooks: Hooks::default(),
             verify_on_start: true,
         }
+    }
+
+    /// The deadline every acquirer call gets: `acquirer_timeout` if set,
+    /// else the default capped to fit the in-flight timeout.
+    pub fn effective_acquirer_timeout(&self) -> Duration {
+        self.acquirer_timeout.unwrap_or_else(|| {
+            ACQUIRER_TIMEOUT_DEFAULT.min(self.inflight_timeout / INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN)
+        })
+    }
+
+    /// Refuses settings that contradict each other: an acquirer deadline
+    /// that does not fit in the in-flight timeout (with the margin of
+    /// [`INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN`]) would let a live owner be
+    /// taken over while it waits for the acquirer, and every retry restart
+    /// the call. The message names both flags.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.authorization_ttl.is_zero() || self.authorization_ttl > AUTHORIZATION_TTL_MAX {
+            return Err(
+                "--authorization-ttl must be longer than 0ms and at most 365d (a date every \
+                 client can parse, far past any card network's authorization)"
+                    .into(),
+            );
+        }
+        let Some(timeout) = self.acquirer_timeout else {
+            return Ok(());
+        };
+        if timeout.is_zero() {
+            return Err("--acquirer-timeout must be longer than 0ms".into());
+        }
+        let most = self.inflight_timeout / INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN;
+        if timeout > most {
+            return Err(format!(
+                "--acquirer-timeout {timeout:?} does not fit in --inflight-timeout {:?}: \
+                 it may be at most 1/{INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN} of it ({most:?}), so that \
+                 an owner waiting for the acquirer reaches its recovery point before it can be \
+                 taken over; lower --acquirer-timeout or raise --inflight-timeout",
+                self.inflight_timeout
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -26,7 +26,8 @@ pub enum Error {
     Locked(String),
     /// A configuration the program cannot run with (exit 1).
     Config(String),
-    /// A command line that makes no sense (exit 2, like a parse error).
+    /// A command line that makes no sense (exit 2, like a parse error),
+    /// or a configuration whose settings contradict each other.
     Usage(String),
     /// Anything else, with a one-line reason.
     Other(String),

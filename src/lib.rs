@@ -75,15 +75,19 @@ pub struct Server {
 
 impl Server {
     /// Starts a server as configured, with the built-in acquirer simulator
-    /// (its memory of keys kept next to the database, in `<db>.acquirer`).
+    /// (its memory of keys kept next to the database, in
+    /// `<db>.acquirer.sqlite`; see [`Simulator`]).
     pub fn start(config: Config) -> Result<Server> {
-        refuse_memory(&config)?;
-        // Before the simulator creates its file beside the database: a
-        // wrong --db is reported with its path, not as a bare I/O error.
+        check_config(&config)?;
+        // Before the lock and the simulator create files beside the
+        // database: a wrong --db is reported with its path, not as a bare
+        // I/O error.
         store::preflight(&config.db)?;
-        let journal = Simulator::journal_path(&config.db);
-        let acquirer = Simulator::with_journal(config.acquirer_latency, &journal)?;
-        Server::start_with_acquirer(config, Arc::new(acquirer))
+        // The lock first: the simulator's file (and the import of a v1
+        // journal) belongs to the one server of this database.
+        let lock = ProcessLock::acquire(&config.db)?;
+        let acquirer = Simulator::open(&config.db, config.acquirer_latency, config.key_retention)?;
+        Server::start_locked(config, lock, Arc::new(acquirer))
     }
 
     /// Starts a server on `127.0.0.1:0` on a fresh database in a temporary
@@ -102,17 +106,18 @@ impl Server {
     /// Starts a server that calls `acquirer` instead of the simulator (to
     /// inject a slow or failing third party).
     pub fn start_with_acquirer(config: Config, acquirer: Arc<dyn Acquirer>) -> Result<Server> {
-        refuse_memory(&config)?;
-        config.http.validate().map_err(Error::Config)?;
-        if config.authorization_ttl.is_zero()
-            || config.authorization_ttl > crate::config::AUTHORIZATION_TTL_MAX
-        {
-            return Err(Error::Config(
-                "the authorization TTL must be longer than 0ms and at most 365d".into(),
-            ));
-        }
+        check_config(&config)?;
         store::preflight(&config.db)?;
         let lock = ProcessLock::acquire(&config.db)?;
+        Server::start_locked(config, lock, acquirer)
+    }
+
+    /// Starts a server on a validated `config` whose database `lock` holds.
+    fn start_locked(
+        config: Config,
+        lock: ProcessLock,
+        acquirer: Arc<dyn Acquirer>,
+    ) -> Result<Server> {
         let conn = store::open_rw(&config.db, config.synchronous, config.fault)?;
         if config.verify_on_start {
             check_on_start(&config.db, &conn)?;
@@ -264,6 +269,14 @@ fn check_on_start(db: &Path, conn: &rusqlite::Connection) -> Result<()> {
          `idem serve --skip-verify` serves it anyway",
         db.display()
     )))
+}
+
+/// Refuses a configuration the server cannot run with, before anything is
+/// opened or created.
+fn check_config(config: &Config) -> Result<()> {
+    refuse_memory(config)?;
+    config.validate().map_err(Error::Usage)?;
+    config.http.validate().map_err(Error::Config)
 }
 
 /// `:memory:` cannot be shared by the writer and the readers.

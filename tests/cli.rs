@@ -46,7 +46,9 @@ fn every_command_has_help_and_bad_usage_exits_2() {
         "--acquirer-latency",
         "--synchronous",
         "--commit-batch-max",
+        "--acquirer-timeout",
         "IDEM_KEY_RETENTION",
+        "IDEM_ACQUIRER_TIMEOUT",
     ] {
         assert!(serve_help.contains(flag), "serve --help lacks {flag}");
     }
@@ -59,6 +61,8 @@ fn every_command_has_help_and_bad_usage_exits_2() {
         &["serve", "--reaper-interval", "0s"],
         &["serve", "--inflight-timeout", "0ms"],
         &["serve", "--key-retention", "0s"],
+        &["serve", "--acquirer-timeout", "0ms"],
+        &["serve", "--acquirer-timeout", "soon"],
         &["consumers", "create"],
     ] {
         let out = idem(args);
@@ -188,6 +192,84 @@ fn serve_refuses_what_it_cannot_run_on() {
     );
 }
 
+/// Runs `idem serve` on a fresh database with `args` and `env`; returns its
+/// exit code (`None`: still running after 10 s, then killed), its stderr,
+/// and whether the directory is still empty.
+fn serve_once(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, bool) {
+    let dir = TempDir::new("serve-once");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["serve", "--addr", "127.0.0.1:0", "--db"])
+        .arg(dir.db())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let empty = std::fs::read_dir(&dir.0).unwrap().count() == 0;
+    (code, stderr, empty)
+}
+
+/// Flags and environment variables of one `idem serve`.
+type ServeCase<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
+
+/// `--acquirer-timeout` must fit in `--inflight-timeout` with half of it to
+/// spare, from flags or environment: otherwise exit 2, before anything is
+/// created, with one line naming both flags. The largest that fits starts.
+#[test]
+fn serve_refuses_an_acquirer_timeout_that_does_not_fit() {
+    let cases: &[ServeCase] = &[
+        (&["--acquirer-timeout", "31s"], &[]),
+        (
+            &["--inflight-timeout", "1s", "--acquirer-timeout", "501ms"],
+            &[],
+        ),
+        (
+            &["--inflight-timeout", "1s"],
+            &[("IDEM_ACQUIRER_TIMEOUT", "600ms")],
+        ),
+        (
+            &[],
+            &[
+                ("IDEM_INFLIGHT_TIMEOUT", "10s"),
+                ("IDEM_ACQUIRER_TIMEOUT", "6s"),
+            ],
+        ),
+    ];
+    for (args, env) in cases {
+        let (code, stderr, empty) = serve_once(args, env);
+        assert_eq!(code, Some(2), "{args:?} {env:?}: {stderr}");
+        assert!(
+            stderr.contains("--acquirer-timeout")
+                && stderr.contains("--inflight-timeout")
+                && stderr.trim().lines().count() == 1,
+            "{args:?} {env:?}: {stderr}"
+        );
+        assert!(empty, "{args:?} {env:?}: nothing created");
+    }
+    let dir = TempDir::new("acquirer-timeout-fits");
+    let fits = ChildServer::start(
+        &dir.db(),
+        &["--inflight-timeout", "1s", "--acquirer-timeout", "500ms"],
+        &[],
+    );
+    fits.kill();
+}
+
 #[test]
 fn environment_variables_configure_serve() {
     let dir = TempDir::new("env");
@@ -299,8 +381,8 @@ fn serve_budgets_file_descriptors() {
     );
 }
 
-/// `idem serve ARGS --db DB`, run to its exit (for starts that must fail).
-fn serve_once(db: &std::path::Path, args: &[&str]) -> std::process::Output {
+/// `idem serve --db DB ARGS`, run to its exit (for starts that must fail).
+fn serve_on(db: &std::path::Path, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_idem"))
         .arg("serve")
         .arg("--db")
@@ -324,7 +406,7 @@ fn a_first_start_that_cannot_listen_creates_no_default_consumer() {
     let db = dir.db();
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
-    let out = serve_once(&db, &["--addr", &addr]);
+    let out = serve_on(&db, &["--addr", &addr]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     let stderr = text(&out.stderr);
     assert!(!stderr.contains("sk_"), "no key was shown: {stderr}");
@@ -364,7 +446,7 @@ fn idem_unprivileged(args: &[&str]) -> std::process::Output {
 fn database_paths_that_cannot_work_are_named_with_what_to_do() {
     let dir = TempDir::new("db-paths");
     let missing_dir = dir.0.join("no/such/dir/x.db");
-    let out = serve_once(&missing_dir, &["--addr", "127.0.0.1:0"]);
+    let out = serve_on(&missing_dir, &["--addr", "127.0.0.1:0"]);
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
     assert!(
@@ -408,7 +490,7 @@ fn database_paths_that_cannot_work_are_named_with_what_to_do() {
         (&garbage, "not an SQLite database"),
         (&foreign, "not an idem database"),
     ] {
-        let out = serve_once(db, &["--addr", "127.0.0.1:0"]);
+        let out = serve_on(db, &["--addr", "127.0.0.1:0"]);
         assert_eq!(out.status.code(), Some(1));
         let err = text(&out.stderr);
         assert!(

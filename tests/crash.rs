@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem::acquirer::{Acquirer, Authorization, Unavailable};
+use idem::acquirer::{Acquirer, Authorization, Call, Simulator, Unavailable};
 use rusqlite::Connection;
 use support::{charge_body, ChildServer, Client, TempDir};
 
@@ -17,13 +17,14 @@ use support::{charge_body, ChildServer, Client, TempDir};
 const INFLIGHT: &str = "3s";
 const INFLIGHT_TIMEOUT: Duration = Duration::from_secs(3);
 
-fn journal_lines(db: &Path) -> Vec<String> {
-    let journal = idem::acquirer::Simulator::journal_path(db);
-    std::fs::read_to_string(journal)
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_string)
-        .collect()
+/// Every call the simulator of `db` journaled.
+fn journal(db: &Path) -> Vec<Call> {
+    Simulator::journal(db).expect("read the acquirer simulator's journal")
+}
+
+/// The calls that made a new authorization.
+fn authorizations_made(calls: &[Call]) -> Vec<&Call> {
+    calls.iter().filter(|c| c.created).collect()
 }
 
 /// (charges, authorization ids of charges) straight from the database.
@@ -75,16 +76,22 @@ fn restart(db: &Path, client: &mut Client, args: &[&str]) -> ChildServer {
 
 /// Before the in-flight timeout a retry gets 409; after it, the retry takes
 /// the orphan over and exactly one charge exists; a late retry replays it.
-fn retries_recover_exactly_once(db: &Path, fault: &str) {
+/// `calls`: how many acquirer calls the crash and the takeover make in all.
+fn retries_recover_exactly_once(db: &Path, fault: &str, calls: usize) {
     let mut client = crash_during_charge(db, fault);
     let crashed_at = Instant::now();
-    after_crash_one_charge(db, &mut client, "crash-key", 4200, crashed_at, &[]);
+    let journal = after_crash_one_charge(db, &mut client, "crash-key", 4200, crashed_at, &[]);
+    assert_eq!(journal.len(), calls, "{fault}: {journal:?}");
+    assert!(
+        journal.iter().all(|c| c.key == journal[0].key),
+        "one operation id throughout: {journal:?}"
+    );
 }
 
 /// After a crash that left `key` reserved (at `crashed_at`): restart with
 /// `args`; a retry before the in-flight timeout gets 409, one after it takes
 /// the orphan over and charges once, a late retry replays it, the acquirer
-/// authorised once, and `idem verify` passes.
+/// authorised once, and `idem verify` passes. Returns the acquirer's journal.
 fn after_crash_one_charge(
     db: &Path,
     client: &mut Client,
@@ -92,7 +99,7 @@ fn after_crash_one_charge(
     amount: i64,
     crashed_at: Instant,
     args: &[&str],
-) {
+) -> Vec<Call> {
     let _server = restart(db, client, args);
     let early = client.charge(key, &charge_body(amount));
     assert!(
@@ -123,36 +130,71 @@ fn after_crash_one_charge(
     assert_eq!(client.all_charges().len(), 1);
     assert_eq!(client.balance("shop"), amount);
     let charges = charges_in_db(db);
-    let journal = journal_lines(db);
+    let journal = journal(db);
+    let made = authorizations_made(&journal);
     assert_eq!(charges.len(), 1);
     assert_eq!(
-        journal.len(),
+        made.len(),
         1,
         "{key}: the acquirer authorised exactly once: {journal:?}"
     );
-    assert!(
-        journal[0].contains(&charges[0].1),
+    assert_eq!(
+        made[0].authorization, charges[0].1,
         "the charge carries that authorization"
     );
+    assert!(
+        journal.iter().all(|c| c.authorization == charges[0].1),
+        "every call answered that authorization: {journal:?}"
+    );
     support::assert_verified(db);
+    journal
 }
 
 #[test]
 fn crash_after_reserve() {
     let dir = TempDir::new("after-reserve");
-    retries_recover_exactly_once(&dir.db(), "after_reserve");
+    retries_recover_exactly_once(&dir.db(), "after_reserve", 1);
 }
 
 #[test]
 fn crash_after_acquirer_before_recovery_point() {
     let dir = TempDir::new("after-acquirer");
-    retries_recover_exactly_once(&dir.db(), "after_acquirer");
+    // The takeover asks again and is given the first call's authorization.
+    retries_recover_exactly_once(&dir.db(), "after_acquirer", 2);
+}
+
+/// An upgrade keeps an in-progress key's authorization: a server crashed
+/// after the acquirer answered, leaving the authorization in a v1 text
+/// journal (`<db>.acquirer`); the restarted server imports it, and the
+/// takeover is given that authorization, not a second one.
+#[test]
+fn an_upgrade_imports_the_v1_journal_of_an_in_progress_key() {
+    let dir = TempDir::new("v1-import");
+    let db = dir.db();
+    let mut client = crash_during_charge(&db, "after_acquirer");
+    let crashed_at = Instant::now();
+    // What a v1 build would have left: its text journal, no simulator file.
+    let made = Simulator::authorizations(&db).unwrap();
+    assert_eq!(made.len(), 1);
+    let a = &made[0];
+    let line = format!("{} {} {} {}\n", a.key, a.id, a.amount, a.currency);
+    std::fs::write(Simulator::v1_journal_path(&db), line).unwrap();
+    let store = Simulator::store_path(&db).into_os_string();
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = store.clone();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
+    let journal = after_crash_one_charge(&db, &mut client, "crash-key", 4200, crashed_at, &[]);
+    assert_eq!(journal.len(), 2, "imported, then asked again: {journal:?}");
+    assert_eq!(journal[1].authorization, a.id);
+    assert!(!Simulator::v1_journal_path(&db).exists(), "imported once");
 }
 
 #[test]
 fn crash_after_recovery_point_before_ledger_commit() {
     let dir = TempDir::new("after-recovery");
-    retries_recover_exactly_once(&dir.db(), "after_recovery_point");
+    retries_recover_exactly_once(&dir.db(), "after_recovery_point", 1);
 }
 
 /// Committed but never answered: the retry replays the committed charge.
@@ -170,15 +212,16 @@ fn crash_after_commit_before_response() {
     );
     assert_eq!(client.all_charges().len(), 1);
     assert_eq!(client.balance("shop"), 4200);
-    assert_eq!(journal_lines(&db).len(), 1);
+    assert_eq!(journal(&db).len(), 1, "the replay called nobody");
     support::assert_verified(&db);
 }
 
 /// A real SIGKILL (not an abort at a fault point) while the acquirer call
 /// is in flight: the reservation survives, retries get 409 until the
-/// in-flight timeout, then one takeover charges once. (The kill lands before
-/// the simulator journals anything; `crash_after_acquirer_before_recovery_point`
-/// is the test that an authorization is never repeated.)
+/// in-flight timeout, then one takeover charges once. (The kill may land
+/// before or after the simulator journals the call: either way there is one
+/// authorization; `crash_after_acquirer_before_recovery_point` is the test
+/// that a journaled authorization is given again, never repeated.)
 #[test]
 fn sigkill_during_acquirer_call() {
     let dir = TempDir::new("sigkill");
@@ -246,8 +289,9 @@ fn reaper_completes_an_orphan_nobody_retries() {
     support::assert_verified(&db);
 }
 
-/// An acquirer whose first call blocks until released: the first owner is
-/// stuck inside it past the in-flight timeout.
+/// An acquirer whose first call blocks until released, ignoring its
+/// deadline: the first owner is truly stuck inside it past the in-flight
+/// timeout (what the deadline cannot prevent, fencing makes harmless).
 struct StuckFirstCall {
     calls: std::sync::atomic::AtomicUsize,
     /// Told when the first call is inside the acquirer.
@@ -262,35 +306,18 @@ impl Acquirer for StuckFirstCall {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
+        deadline: std::time::Instant,
     ) -> Result<Authorization, Unavailable> {
         if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
             let _ = self.entered.send(());
             let _ = self.release.recv_timeout(Duration::from_secs(20));
         }
-        self.inner.authorize(key, amount, currency)
+        self.inner
+            .authorize(key, amount, currency, capture, deadline)
     }
 
-    fn capture(
-        &self,
-        key: &str,
-        authorization: &str,
-        amount: i64,
-    ) -> Result<(), idem::acquirer::Unavailable> {
-        self.inner.capture(key, authorization, amount)
-    }
-
-    fn void(&self, key: &str, authorization: &str) -> Result<(), idem::acquirer::Unavailable> {
-        self.inner.void(key, authorization)
-    }
-
-    fn refund(
-        &self,
-        key: &str,
-        authorization: &str,
-        amount: i64,
-    ) -> Result<(), idem::acquirer::Unavailable> {
-        self.inner.refund(key, authorization, amount)
-    }
+    crate::settle_through_inner!();
 }
 
 /// Owner A sends `key` and stalls (it signals `stalled`); once its lock is

@@ -477,9 +477,8 @@ fn one_reference_never_reaches_the_acquirer_twice() {
         "the key was left free, now a reference replay"
     );
     assert_eq!(retry.json()["id"], first.json()["id"]);
-    let journal = idem::acquirer::Simulator::journal_path(server.db_path());
-    let lines = std::fs::read_to_string(journal).unwrap();
-    assert_eq!(lines.lines().count(), 1, "one authorization: {lines}");
+    let journal = idem::acquirer::Simulator::journal(server.db_path()).unwrap();
+    assert_eq!(journal.len(), 1, "one acquirer call: {journal:?}");
     support::assert_verified(server.db_path());
 }
 

@@ -208,24 +208,17 @@ impl Acquirer for Flaky {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
+        deadline: std::time::Instant,
     ) -> Result<Authorization, Unavailable> {
         if self.calls.fetch_add(1, Ordering::SeqCst) < self.failures {
             return Err(Unavailable("connection reset".into()));
         }
-        self.inner.authorize(key, amount, currency)
+        self.inner
+            .authorize(key, amount, currency, capture, deadline)
     }
 
-    fn capture(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable> {
-        self.inner.capture(key, authorization, amount)
-    }
-
-    fn void(&self, key: &str, authorization: &str) -> Result<(), Unavailable> {
-        self.inner.void(key, authorization)
-    }
-
-    fn refund(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable> {
-        self.inner.refund(key, authorization, amount)
-    }
+    crate::settle_through_inner!();
 }
 
 #[test]

@@ -20,6 +20,7 @@
 
 mod support;
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -907,6 +908,8 @@ const SQL_CHECKS: &[(&str, &str)] = &[
          HAVING count(*) > 1",
     ),
     (
+        // A refund moves the ledger first: its key completes once the
+        // acquirer has refunded too (recovery point 'applied' meanwhile).
         "at most once: an effect belongs to a completed key row of its own key",
         "SELECT 'charge ' || c.public_id || ' key ' || c.idempotency_key || ': key row ' \
          || coalesce(k.state || ' ' || k.key, 'missing') FROM charges c \
@@ -917,15 +920,17 @@ const SQL_CHECKS: &[(&str, &str)] = &[
          SELECT 'refund ' || r.public_id || ' key ' || r.idempotency_key || ': key row ' \
          || coalesce(k.state || ' ' || k.key, 'missing') FROM refunds r \
          LEFT JOIN idempotency_keys k ON k.op_id = r.op_id \
-         WHERE k.id IS NULL OR k.state <> 'completed' OR k.key <> r.idempotency_key \
-         OR k.consumer_id <> r.consumer_id",
+         WHERE k.id IS NULL OR k.key <> r.idempotency_key OR k.consumer_id <> r.consumer_id \
+         OR NOT (k.state = 'completed' \
+           OR (k.state = 'in_progress' AND k.recovery_point = 'applied'))",
     ),
     (
         "structure: an in-progress key is one the reaper can finish",
         "SELECT 'key ' || key || ' (' || op_id || ') in progress at ' || recovery_point \
          || ' with request ' || request || ' authorization ' || coalesce(authorization, 'none') \
          FROM idempotency_keys WHERE state = 'in_progress' AND (NOT json_valid(request) \
-         OR (recovery_point = 'authorized') <> (authorization IS NOT NULL) \
+         OR (recovery_point IN ('authorized', 'declined')) <> (authorization IS NOT NULL) \
+         OR (recovery_point IN ('declined', 'applied')) <> (response_status IS NOT NULL) \
          OR method <> 'POST' \
          OR NOT (path = '/v1/charges' OR path LIKE '/v1/charges/%/refunds'))",
     ),
@@ -1104,33 +1109,43 @@ fn effect_problem(s: &Snapshot, consumer_id: i64, record: &Record) -> Result<(),
     Ok(())
 }
 
-/// The acquirer's journal (`op_id auth_id amount currency` per line): at
-/// most one authorization per operation, and every charge carries the one
-/// its operation got.
+/// The acquirer simulator's journal of calls: at most one call made a new
+/// authorization per operation, and every charge carries the authorization
+/// its operation got, for its amount and currency.
 fn journal_problems(db: &Path, s: &Snapshot) -> Vec<String> {
-    let path = idem::acquirer::Simulator::journal_path(db);
-    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let calls = match idem::acquirer::Simulator::journal(db) {
+        Ok(calls) => calls,
+        Err(e) => return vec![format!("acquirer journal: {e}")],
+    };
     let mut problems = Vec::new();
-    let mut by_op: HashMap<&str, (&str, &str, &str)> = HashMap::new();
-    for line in text.lines() {
-        let fields: Vec<&str> = line.split(' ').collect();
-        let [op, auth, amount, currency] = fields[..] else {
-            problems.push(format!("acquirer journal: malformed line {line:?}"));
-            continue;
-        };
-        if by_op.insert(op, (auth, amount, currency)).is_some() {
-            problems.push(format!("acquirer authorized operation {op} twice"));
+    let mut by_op: HashMap<&str, (&str, i64, &str)> = HashMap::new();
+    for call in calls.iter().filter(|c| c.created) {
+        let made = (
+            call.authorization.as_str(),
+            call.amount,
+            call.currency.as_str(),
+        );
+        match by_op.entry(&call.key) {
+            Entry::Vacant(first) => {
+                first.insert(made);
+            }
+            Entry::Occupied(_) => {
+                problems.push(format!("acquirer authorized operation {} twice", call.key))
+            }
+        }
+    }
+    for call in &calls {
+        if by_op.get(call.key.as_str()).map(|m| m.0) != Some(call.authorization.as_str()) {
+            problems.push(format!(
+                "acquirer answered {} with {}, not the authorization it made",
+                call.key, call.authorization
+            ));
         }
     }
     for (id, c) in &s.charges {
-        let expected = (
-            c.authorization_id.as_str(),
-            c.amount.to_string(),
-            c.currency.as_str(),
-        );
+        let expected = (c.authorization_id.as_str(), c.amount, c.currency.as_str());
         match by_op.get(c.op_id.as_str()) {
-            Some((auth, amount, currency))
-                if (*auth, amount.to_string(), *currency) == expected => {}
+            Some(made) if *made == expected => {}
             other => problems.push(format!(
                 "charge {id} ({}) carries authorization {:?}, the journal has {other:?}",
                 c.op_id, expected
@@ -1615,8 +1630,8 @@ fn run_database(seed: u64, kills: u32) -> Figures {
 struct Tampering {
     name: &'static str,
     sql: &'static str,
-    /// Also append the journal's first line again (a second authorization).
-    journal_twice: bool,
+    /// Run on the copy of the acquirer simulator's file.
+    acquirer_sql: &'static str,
     expect: &'static str,
 }
 
@@ -1627,59 +1642,64 @@ const TAMPERINGS: &[Tampering] = &[
     Tampering {
         name: "an acknowledged charge is lost (balances fixed up to hide it)",
         sql: "DELETE FROM entries; DELETE FROM charges; UPDATE accounts SET balance = 0;",
-        journal_twice: false,
+        acquirer_sql: "",
         expect: "lost: acknowledged charge",
     },
     Tampering {
         name: "the stored answer differs from the one the client saw",
         sql: "UPDATE idempotency_keys SET response_body = CAST(replace(CAST(response_body AS TEXT), \
               '\"amount\":700', '\"amount\":701') AS BLOB);",
-        journal_twice: false,
+        acquirer_sql: "",
         expect: "client saw 201",
     },
     Tampering {
         name: "one key moved money twice (consistently, so the sums still hold)",
         sql: "INSERT INTO charges (consumer_id, public_id, amount, currency, source_id, \
               destination_id, reference, metadata, fingerprint, op_id, idempotency_key, \
-              authorization_id, created_at) SELECT consumer_id, public_id || 'x', amount, currency, \
-              source_id, destination_id, NULL, metadata, fingerprint, op_id || 'x', \
-              idempotency_key, authorization_id, created_at FROM charges; \
+              authorization_id, created_at, status, amount_captured) SELECT consumer_id, \
+              public_id || 'x', amount, currency, source_id, destination_id, NULL, metadata, \
+              fingerprint, op_id || 'x', idempotency_key, authorization_id, created_at, status, \
+              amount_captured FROM charges; \
               INSERT INTO entries (public_id, account_id, amount, charge_id, created_at) \
               SELECT public_id || 'x', account_id, amount, (SELECT max(id) FROM charges), \
               created_at FROM entries; UPDATE accounts SET balance = 2 * balance;",
-        journal_twice: false,
+        acquirer_sql: "",
         expect: "at most once: one charge per (consumer, key)",
     },
     Tampering {
         name: "money created out of nothing",
         sql: "UPDATE accounts SET balance = balance + 1 WHERE public_id = 'shop_brl_a';",
-        journal_twice: false,
+        acquirer_sql: "",
         expect: "conservation: balances sum to zero",
     },
     Tampering {
         name: "a merchant below zero",
         sql: "UPDATE entries SET amount = -amount; UPDATE accounts SET balance = -balance;",
-        journal_twice: false,
+        acquirer_sql: "",
         expect: "shop_brl_a is at -700",
     },
     Tampering {
         name: "an effect committed while its key is still in progress",
         sql: "UPDATE idempotency_keys SET state = 'in_progress', response_status = NULL, \
               response_body = NULL, completed_at = NULL;",
-        journal_twice: false,
+        acquirer_sql: "",
         expect: "an effect belongs to a completed key row",
     },
     Tampering {
         name: "an entry pointing at no account",
         sql: "PRAGMA foreign_keys = OFF; UPDATE entries SET account_id = 9999 \
               WHERE id = (SELECT min(id) FROM entries);",
-        journal_twice: false,
+        acquirer_sql: "",
         expect: "foreign_key_check",
     },
     Tampering {
         name: "the acquirer authorized one operation twice",
         sql: "",
-        journal_twice: true,
+        // As if the simulator had forgotten the key (a lost file, a prune
+        // too early) and the takeover had been authorized afresh.
+        acquirer_sql: "INSERT INTO calls (kind, key, authorization_id, amount, currency, created, \
+                       timed_out, at) SELECT kind, key, authorization_id || 'x', amount, \
+                       currency, 1, 0, at FROM calls;",
         expect: "authorized operation",
     },
 ];
@@ -1743,12 +1763,16 @@ fn the_checks_catch_what_they_claim_to() {
     conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
         .unwrap();
     drop(conn);
-    let journal = std::fs::read_to_string(idem::acquirer::Simulator::journal_path(&db)).unwrap();
+    let acquirer = idem::acquirer::Simulator::store_path(&db);
+    let conn = Connection::open(&acquirer).unwrap();
+    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
+        .unwrap();
+    drop(conn);
 
     let copy = |name: &str| {
         let path = dir.0.join(name);
         std::fs::copy(&db, &path).unwrap();
-        std::fs::write(idem::acquirer::Simulator::journal_path(&path), &journal).unwrap();
+        std::fs::copy(&acquirer, idem::acquirer::Simulator::store_path(&path)).unwrap();
         path
     };
     check_quiescent(&ctx, &copy("untouched.db"), &records);
@@ -1758,11 +1782,10 @@ fn the_checks_catch_what_they_claim_to() {
             .unwrap()
             .execute_batch(t.sql)
             .unwrap();
-        if t.journal_twice {
-            let first_line = journal.lines().next().unwrap();
-            let twice = format!("{journal}{first_line}\n");
-            std::fs::write(idem::acquirer::Simulator::journal_path(&path), twice).unwrap();
-        }
+        Connection::open(idem::acquirer::Simulator::store_path(&path))
+            .unwrap()
+            .execute_batch(t.acquirer_sql)
+            .unwrap();
         let caught = std::panic::catch_unwind(|| check_quiescent(&ctx, &path, &records));
         let message = match caught {
             Ok(_) => panic!("not caught: {}", t.name),

@@ -8,7 +8,7 @@ mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem::acquirer::{Acquirer, Authorization, Simulator, Unavailable};
 use serde_json::{json, Value};
@@ -440,20 +440,40 @@ impl Acquirer for FlakyCaptures {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
+        deadline: Instant,
     ) -> Result<Authorization, Unavailable> {
-        self.inner.authorize(key, amount, currency)
+        self.inner
+            .authorize(key, amount, currency, capture, deadline)
     }
-    fn capture(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable> {
+    fn capture(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: std::time::Instant,
+    ) -> Result<(), Unavailable> {
         if self.captures.fetch_add(1, Ordering::SeqCst) < self.failures {
             return Err(Unavailable("connection reset".into()));
         }
-        self.inner.capture(key, authorization, amount)
+        self.inner.capture(key, authorization, amount, deadline)
     }
-    fn void(&self, key: &str, authorization: &str) -> Result<(), Unavailable> {
-        self.inner.void(key, authorization)
+    fn void(
+        &self,
+        key: &str,
+        authorization: &str,
+        deadline: std::time::Instant,
+    ) -> Result<(), Unavailable> {
+        self.inner.void(key, authorization, deadline)
     }
-    fn refund(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable> {
-        self.inner.refund(key, authorization, amount)
+    fn refund(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: std::time::Instant,
+    ) -> Result<(), Unavailable> {
+        self.inner.refund(key, authorization, amount, deadline)
     }
 }
 
@@ -807,8 +827,12 @@ impl Acquirer for Recording {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
+        deadline: Instant,
     ) -> Result<Authorization, Unavailable> {
-        let auth = self.inner.authorize(key, amount, currency)?;
+        let auth = self
+            .inner
+            .authorize(key, amount, currency, capture, deadline)?;
         self.authorized.lock().unwrap().push(auth.id.clone());
         if self.stall.swap(false, Ordering::SeqCst) {
             self.stalled.store(true, Ordering::SeqCst);
@@ -816,15 +840,32 @@ impl Acquirer for Recording {
         }
         Ok(auth)
     }
-    fn capture(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable> {
-        self.inner.capture(key, authorization, amount)
+    fn capture(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: std::time::Instant,
+    ) -> Result<(), Unavailable> {
+        self.inner.capture(key, authorization, amount, deadline)
     }
-    fn void(&self, key: &str, authorization: &str) -> Result<(), Unavailable> {
+    fn void(
+        &self,
+        key: &str,
+        authorization: &str,
+        deadline: std::time::Instant,
+    ) -> Result<(), Unavailable> {
         self.voided.lock().unwrap().push(authorization.to_string());
-        self.inner.void(key, authorization)
+        self.inner.void(key, authorization, deadline)
     }
-    fn refund(&self, key: &str, authorization: &str, amount: i64) -> Result<(), Unavailable> {
-        self.inner.refund(key, authorization, amount)
+    fn refund(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: std::time::Instant,
+    ) -> Result<(), Unavailable> {
+        self.inner.refund(key, authorization, amount, deadline)
     }
 }
 

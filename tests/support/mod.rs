@@ -426,6 +426,43 @@ pub fn eventually<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
+/// Implements `capture`, `void` and `refund` of `idem::acquirer::Acquirer`
+/// for a test acquirer by passing them to its `inner` simulator: most test
+/// acquirers change only how they authorize.
+#[macro_export]
+macro_rules! settle_through_inner {
+    () => {
+        fn capture(
+            &self,
+            key: &str,
+            authorization: &str,
+            amount: i64,
+            deadline: std::time::Instant,
+        ) -> Result<(), idem::acquirer::Unavailable> {
+            self.inner.capture(key, authorization, amount, deadline)
+        }
+
+        fn void(
+            &self,
+            key: &str,
+            authorization: &str,
+            deadline: std::time::Instant,
+        ) -> Result<(), idem::acquirer::Unavailable> {
+            self.inner.void(key, authorization, deadline)
+        }
+
+        fn refund(
+            &self,
+            key: &str,
+            authorization: &str,
+            amount: i64,
+            deadline: std::time::Instant,
+        ) -> Result<(), idem::acquirer::Unavailable> {
+            self.inner.refund(key, authorization, amount, deadline)
+        }
+    };
+}
+
 /// The acquirer simulator, counting its calls by kind: shows that an
 /// authorization is never asked for twice, and that a capture or a void
 /// happens once.
@@ -472,9 +509,12 @@ impl idem::acquirer::Acquirer for CountingAcquirer {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
+        deadline: std::time::Instant,
     ) -> Result<idem::acquirer::Authorization, idem::acquirer::Unavailable> {
         self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.authorize(key, amount, currency)
+        self.inner
+            .authorize(key, amount, currency, capture, deadline)
     }
 
     fn capture(
@@ -482,15 +522,21 @@ impl idem::acquirer::Acquirer for CountingAcquirer {
         key: &str,
         authorization: &str,
         amount: i64,
+        deadline: std::time::Instant,
     ) -> Result<(), idem::acquirer::Unavailable> {
         self.captures
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.capture(key, authorization, amount)
+        self.inner.capture(key, authorization, amount, deadline)
     }
 
-    fn void(&self, key: &str, authorization: &str) -> Result<(), idem::acquirer::Unavailable> {
+    fn void(
+        &self,
+        key: &str,
+        authorization: &str,
+        deadline: std::time::Instant,
+    ) -> Result<(), idem::acquirer::Unavailable> {
         self.voids.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.void(key, authorization)
+        self.inner.void(key, authorization, deadline)
     }
 
     fn refund(
@@ -498,9 +544,10 @@ impl idem::acquirer::Acquirer for CountingAcquirer {
         key: &str,
         authorization: &str,
         amount: i64,
+        deadline: std::time::Instant,
     ) -> Result<(), idem::acquirer::Unavailable> {
         self.refunds
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.refund(key, authorization, amount)
+        self.inner.refund(key, authorization, amount, deadline)
     }
 }
