@@ -42,8 +42,10 @@ enum Command {
         #[command(subcommand)]
         command: ConsumersCommand,
     },
-    /// Check the database: integrity, foreign keys and every ledger invariant.
-    /// Exit 0 if all hold, 1 with a report if not.
+    /// Check the database: integrity, foreign keys and every ledger invariant,
+    /// and, where the built-in acquirer's file (`<db>.acquirer.sqlite`) is
+    /// beside it, the acquirer's books against the ledger's. Exit 0 if all
+    /// hold, 1 with a report if not.
     Verify,
     /// Copy the database to OUT with SQLite's online backup API, safely while
     /// `idem serve` runs, then verify the copy. Exit 0 if the copy verifies.
@@ -221,7 +223,8 @@ pub fn run() -> Result<i32> {
         }
         Command::Verify => {
             let conn = store::open_current(&cli.db)?;
-            let report = verify::verify(&conn)?;
+            let simulator = crate::acquirer::Simulator::store_path(&cli.db);
+            let report = verify::verify_with_acquirer(&conn, &simulator)?;
             print!("{report}");
             Ok(if report.ok() { 0 } else { 1 })
         }

@@ -10,6 +10,7 @@
 //! 2^64 rows).
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 
 use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode};
@@ -243,9 +244,105 @@ const CHECKS: &[(&str, Check)] = &[
     ),
 ];
 
+/// The acquirer's books against the ledger's, where the built-in
+/// simulator's file is there to read (`idem verify`): a name and a query
+/// over the attached `acquirer` database whose every row is a violation.
+/// The simulator forgets what is past `--key-retention`, so these hold the
+/// authorizations it still remembers against the ledger, which keeps every
+/// charge; an operation still in progress may be between its acquirer call
+/// and its ledger commit, and is not a violation.
+const ACQUIRER_CHECKS: &[(&str, &str)] = &[
+    (
+        "an authorization open at the acquirer belongs to a held charge",
+        "SELECT 'authorization ' || a.authorization_id || ' (' || a.key || \
+         ') is open at the acquirer, but ' || coalesce((SELECT 'its charge ' || \
+         c.public_id || ' is ' || c.status FROM charges c \
+         WHERE c.authorization_id = a.authorization_id), 'no charge holds it') \
+         FROM acquirer.authorizations a WHERE a.state = 'authorized' \
+         AND NOT EXISTS (SELECT 1 FROM charges c WHERE c.authorization_id = a.authorization_id \
+           AND c.status = 'requires_capture') \
+         AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.op_id = a.key \
+           AND k.state = 'in_progress')",
+    ),
+    (
+        "an authorization captured at the acquirer is a charge that captured as much, once",
+        "SELECT 'authorization ' || a.authorization_id || ' captured ' || a.captured || \
+         ' at the acquirer, but ' || coalesce((SELECT 'its charge ' || c.public_id || ' is ' || \
+         c.status || ' with ' || c.amount_captured || ' captured' FROM charges c \
+         WHERE c.authorization_id = a.authorization_id), 'no charge has it') \
+         FROM acquirer.authorizations a WHERE a.state = 'captured' \
+         AND NOT EXISTS (SELECT 1 FROM charges c WHERE c.authorization_id = a.authorization_id \
+           AND c.status = 'succeeded' AND c.amount_captured = a.captured) \
+         AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.op_id = a.key \
+           AND k.state = 'in_progress') \
+         AND NOT EXISTS (SELECT 1 FROM charges c JOIN idempotency_keys k \
+           ON k.op_id = c.claimed_by AND k.state = 'in_progress' \
+           WHERE c.authorization_id = a.authorization_id)",
+    ),
+    (
+        "an authorization voided at the acquirer moved and holds no money in the ledger",
+        "SELECT 'authorization ' || a.authorization_id || ' was voided at the acquirer, but \
+         its charge ' || c.public_id || ' is ' || c.status FROM acquirer.authorizations a \
+         JOIN charges c ON c.authorization_id = a.authorization_id \
+         WHERE a.state = 'voided' AND c.status <> 'canceled' AND c.claimed_by IS NULL",
+    ),
+    (
+        "the acquirer refunded what the ledger refunded",
+        "SELECT 'charge ' || c.public_id || ' refunded ' || c.amount_refunded || \
+         ' in the ledger, ' || a.refunded || ' at the acquirer' \
+         FROM acquirer.authorizations a JOIN charges c ON c.authorization_id = a.authorization_id \
+         WHERE a.refunded > c.amount_refunded OR (a.refunded < c.amount_refunded \
+           AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.state = 'in_progress' \
+             AND k.recovery_point = 'applied' \
+             AND k.path = '/v1/charges/' || c.public_id || '/refunds'))",
+    ),
+];
+
 /// Runs every check inside one read transaction (one consistent snapshot).
 pub fn verify(conn: &Connection) -> Result<Report> {
     verify_unless(conn, &|| false)
+}
+
+/// [`verify`], and then the acquirer's books against the ledger's: the
+/// built-in simulator's file at `simulator` (`<db>.acquirer.sqlite`), if
+/// there is one. Every live authorization belongs to a held charge (or an
+/// operation in progress), every capture is a succeeded charge that
+/// captured as much, every void a charge that holds and moved nothing, and
+/// the refunds agree.
+pub fn verify_with_acquirer(conn: &Connection, simulator: &Path) -> Result<Report> {
+    let mut report = verify(conn)?;
+    if !simulator.exists() || report.invariants_skipped_at.is_some() {
+        return Ok(report);
+    }
+    let path = simulator.to_string_lossy();
+    if let Err(e) = conn.execute("ATTACH DATABASE ?1 AS acquirer", [&*path]) {
+        report
+            .failures
+            .push(format!("acquirer agreement: cannot read {path}: {e}"));
+        return Ok(report);
+    }
+    let checked = (|| -> Result<()> {
+        conn.execute_batch("BEGIN")?;
+        for (name, sql) in ACQUIRER_CHECKS {
+            for line in query_lines(conn, sql)? {
+                report
+                    .failures
+                    .push(format!("acquirer agreement, {name}: {line}"));
+            }
+        }
+        Ok(())
+    })();
+    let _ = conn.execute_batch("COMMIT");
+    let _ = conn.execute_batch("DETACH DATABASE acquirer");
+    match checked {
+        Err(Error::Db(e)) => {
+            report
+                .failures
+                .push(format!("acquirer agreement: cannot check {path}: {e}"));
+            Ok(report)
+        }
+        other => other.map(|()| report),
+    }
 }
 
 /// [`verify`], giving up with an error once `stop()` is true. It is asked

@@ -1647,7 +1647,8 @@ const TAMPERINGS: &[Tampering] = &[
     },
     Tampering {
         name: "the stored answer differs from the one the client saw",
-        sql: "UPDATE idempotency_keys SET response_body = CAST(replace(CAST(response_body AS TEXT), \
+        sql:
+            "UPDATE idempotency_keys SET response_body = CAST(replace(CAST(response_body AS TEXT), \
               '\"amount\":700', '\"amount\":701') AS BLOB);",
         acquirer_sql: "",
         expect: "client saw 201",

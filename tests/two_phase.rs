@@ -975,3 +975,91 @@ fn the_authorization_ttl_is_bounded_so_a_hold_is_never_born_expired() {
     assert_eq!(capture(&client, id, "cap", &json!({})).status, 200);
     drop(server);
 }
+
+/// `idem verify` holds the ledger against the acquirer simulator's own
+/// books: after a real server's holds, captures, cancels, sales, refunds and
+/// a void after a decline, they agree; each kind of disagreement, written
+/// into a copy of the simulator's file, is reported.
+#[test]
+fn verify_holds_the_ledger_against_the_acquirers_books() {
+    let dir = TempDir::new("2p-agreement");
+    let db = dir.db();
+    let server = support::ChildServer::start(&db, &[], &[]);
+    let client = Client::new(server.addr, server.initial_key.as_deref().unwrap());
+    client.card_and_shop();
+    client.account("wallet", false);
+    let fund =
+        json!({"amount": 10_000, "currency": "BRL", "source": "card", "destination": "wallet"});
+    assert_eq!(client.charge("fund", &fund).status, 201);
+    let held = hold(&client, "held", 1_000)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let captured = hold(&client, "to-capture", 2_000)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        capture(&client, &captured, "cap", &json!({"amount": 1_500})).status,
+        200
+    );
+    let canceled = hold(&client, "to-cancel", 500)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(cancel(&client, &canceled, "can").status, 200);
+    let refund = client.post(
+        &format!("/v1/charges/{captured}/refunds"),
+        Some("re"),
+        &json!({"amount": 300}),
+    );
+    assert_eq!(refund.status, 201);
+    let sale = client.charge(
+        "sale",
+        &json!({"amount": 700, "currency": "BRL", "source": "wallet", "destination": "shop"}),
+    );
+    let sale_auth = sale.json()["authorization"].as_str().unwrap().to_string();
+    server.kill();
+    support::assert_verified(&db);
+    // Fold both WALs into their files, so that a copy of a file is whole.
+    for file in [db.clone(), idem::acquirer::Simulator::store_path(&db)] {
+        rusqlite::Connection::open(&file)
+            .unwrap()
+            .execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
+            .unwrap();
+    }
+
+    let auth_of = |charge: &str| -> String {
+        rusqlite::Connection::open(&db)
+            .unwrap()
+            .query_row(
+                "SELECT authorization_id FROM charges WHERE public_id = ?1",
+                [charge],
+                |r| r.get(0),
+            )
+            .unwrap()
+    };
+    let cases = [
+        ("open", format!("UPDATE authorizations SET state = 'authorized', captured = 0 WHERE authorization_id = '{sale_auth}'"), "is open at the acquirer"),
+        ("captured", format!("UPDATE authorizations SET captured = 1400 WHERE authorization_id = '{}'", auth_of(&captured)), "captured 1400 at the acquirer"),
+        ("voided", format!("UPDATE authorizations SET state = 'voided' WHERE authorization_id = '{}'", auth_of(&held)), "was voided at the acquirer"),
+        ("refunded", format!("UPDATE authorizations SET refunded = 0 WHERE authorization_id = '{}'", auth_of(&captured)), "refunded 300 in the ledger, 0 at the acquirer"),
+        ("not-voided", format!("UPDATE authorizations SET state = 'authorized' WHERE authorization_id = '{}'", auth_of(&canceled)), "its charge"),
+    ];
+    for (name, sql, says) in cases {
+        let copy = dir.0.join(format!("{name}.db"));
+        std::fs::copy(&db, &copy).unwrap();
+        let simulator = idem::acquirer::Simulator::store_path(&copy);
+        std::fs::copy(idem::acquirer::Simulator::store_path(&db), &simulator).unwrap();
+        rusqlite::Connection::open(&simulator)
+            .unwrap()
+            .execute_batch(&sql)
+            .unwrap();
+        let (code, report) = support::verify_cli(&copy);
+        assert_eq!(code, 1, "{name}: verify must fail:\n{report}");
+        assert!(
+            report.contains(says),
+            "{name}: expected '{says}' in:\n{report}"
+        );
+    }
+}

@@ -452,10 +452,11 @@ impl Simulator {
             };
             // Kept a whole retention from now: the v1 file has no times.
             let new = tx
+                // v1 charged at once: its authorizations were sales.
                 .prepare_cached(
-                    "INSERT OR IGNORE INTO authorizations \
-                     (key, authorization_id, amount, currency, created_at, ready_at) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?5)",
+                    "INSERT OR IGNORE INTO authorizations (key, authorization_id, amount, \
+                     currency, created_at, ready_at, state, captured) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?5, 'captured', ?3)",
                 )?
                 .execute(params![key, id, amount, currency, now])?;
             // The v1 line is the record of the call that made it; journaled
