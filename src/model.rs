@@ -304,6 +304,8 @@ pub struct CaptureRequest {
 }
 
 impl CaptureRequest {
+    /// Validates a capture body (`{"amount"?: int}`; empty is `{}`) for the
+    /// charge named in the path.
     pub fn from_json(charge: &str, v: &Value) -> Result<CaptureRequest, FieldError> {
         let map = fields(v, &["amount"])?;
         Ok(CaptureRequest {
@@ -321,6 +323,8 @@ pub struct CancelRequest {
 }
 
 impl CancelRequest {
+    /// Validates a cancel body (empty, or `{}`: any member is unknown) for
+    /// the charge named in the path.
     pub fn from_json(charge: &str, v: &Value) -> Result<CancelRequest, FieldError> {
         fields(v, &[])?;
         Ok(CancelRequest {
