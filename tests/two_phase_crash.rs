@@ -1,14 +1,18 @@
-//! Crashes in the middle of a capture or a cancel, with real `idem serve`
+//! Crashes in the middle of the two-phase operations, with real `idem serve`
 //! children that abort at an `IDEM_FAULT=KIND:POINT` (or are SIGKILLed) and
 //! are restarted on the same database file: a capture or cancel killed at
-//! each of its four points, finished by a retry and by the reaper, also
-//! while its hold expires; and a capture killed while the acquirer is slow.
+//! each of its four points, finished by a retry and by the reaper (also
+//! while its hold expires); a refund
+//! killed after its ledger effect and after the acquirer's refund; an expiry
+//! killed between its void and its release; a capture killed while the
+//! acquirer is slow; and the void of an authorization the ledger declined,
+//! killed between the decline and the void.
 //!
 //! Each proves from the outside what ARCHITECTURE.md's fault table says: the
 //! state on disk after the crash (key row, ledger, the acquirer simulator's
 //! own file), that a retry before `--inflight-timeout` is 409 and one after it
 //! takes over and finishes, that a later replay is the same bytes, that the
-//! acquirer made exactly one capture or void (counted in its journal,
+//! acquirer made exactly one capture, void or refund (counted in its journal,
 //! `Simulator::journal`), the balances, and `idem verify` (which holds the
 //! ledger against the acquirer's books) on the crashed and the finished file.
 //!
@@ -857,4 +861,418 @@ fn a_capture_sigkilled_while_the_acquirer_is_slow_is_captured_once() {
         &taken_over,
         "sigkill",
     );
+}
+
+// ---------------------------------------------------------------------------
+// Refunds, ledger first
+
+/// Who finishes the orphan after the restart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Finisher {
+    Retry,
+    Reaper,
+}
+
+const SALE: i64 = 4_200;
+const REFUNDED: i64 = 1_500;
+
+/// Where a refund is killed, and how it was asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RefundKill {
+    /// `refund:after_recovery_point` of an asynchronous refund (`Prefer:
+    /// respond-async`): its ledger effect and answer are committed by the
+    /// operation (recovery point `applied`), the acquirer not yet called.
+    AppliedAsync,
+    /// `refund:after_acquirer`: the acquirer refunded, the key is not yet
+    /// completed.
+    AfterAcquirer,
+}
+
+impl RefundKill {
+    fn fault(self) -> &'static str {
+        match self {
+            RefundKill::AppliedAsync => "refund:after_recovery_point",
+            RefundKill::AfterAcquirer => "refund:after_acquirer",
+        }
+    }
+
+    /// Refund calls the acquirer journaled before the restart.
+    fn refunded_before(self) -> usize {
+        match self {
+            RefundKill::AfterAcquirer => 1,
+            _ => 0,
+        }
+    }
+}
+
+/// A sale (captured at once) of SALE from card to shop, then a refund of
+/// REFUNDED killed at `kill`, finished by `finisher`: one refund at the
+/// acquirer, the key completes with the 201 body stored before the crash,
+/// later replays are those bytes, verify passes.
+fn refund_killed(kill: RefundKill, finisher: Finisher) {
+    let dir = TempDir::new(&format!("2pc-refund-{kill:?}-{finisher:?}"));
+    let db = dir.db();
+    let fault = kill.fault();
+    let server = start(&db, &REAPER_OFF, Some(fault));
+    let mut client = client_of(&server);
+    client.card_and_shop();
+    let sale = client.charge("sale", &support::charge_body(SALE));
+    assert_eq!(sale.status, 201);
+    let sale = sale.json();
+    let (id, auth) = (
+        sale["id"].as_str().unwrap().to_string(),
+        sale["authorization"].as_str().unwrap().to_string(),
+    );
+    let path = format!("/v1/charges/{id}/refunds");
+    let body = json!({"amount": REFUNDED}).to_string();
+    let (crash, got) = crash_on(server, fault, || {
+        let mut headers = vec![("Idempotency-Key", KEY)];
+        if kill == RefundKill::AppliedAsync {
+            headers.push(("Prefer", "respond-async"));
+        }
+        client.try_request("POST", &path, &headers, &body)
+    });
+    match got {
+        // The 202 may or may not leave before the operation aborts.
+        Ok(r) if kill == RefundKill::AppliedAsync => assert_eq!(r.status, 202),
+        other => assert!(
+            other.is_err(),
+            "{fault} ({kill:?}): the server died before answering, but it answered {:?}",
+            other.map(|r| (r.status, body_text(&r)))
+        ),
+    }
+
+    // Ledger first: the refund and its answer are committed, the key is
+    // still in progress at `applied`.
+    let crashed = key_row(&db, KEY);
+    assert_eq!(
+        (
+            crashed.state.as_str(),
+            crashed.recovery_point.as_str(),
+            crashed.response_status
+        ),
+        ("in_progress", "applied", Some(201)),
+        "{kill:?}"
+    );
+    let stored = crashed.response_body.clone().unwrap();
+    let before = calls(&db, CallKind::Refund, &auth);
+    assert_eq!(
+        (before.len(), made(&before)),
+        (kill.refunded_before(), kill.refunded_before()),
+        "{kill:?}: {before:?}"
+    );
+
+    let args: &[&str] = match finisher {
+        Finisher::Retry => &REAPER_OFF,
+        Finisher::Reaper => &REAPER_ON,
+    };
+    let _server = restart(&db, &mut client, args);
+    let retry = || client.request("POST", &path, &[("Idempotency-Key", KEY)], &body);
+    let answer = match finisher {
+        Finisher::Retry => {
+            let early = retry();
+            crash.assert_still_fresh(fault);
+            assert_eq!(
+                (early.status, early.slug().as_str()),
+                (409, "idempotency-key-in-use"),
+                "{kill:?}"
+            );
+            // The ledger never shows less than the acquirer sent back.
+            assert_eq!(client.balance("shop"), SALE - REFUNDED);
+            support::assert_verified(&db);
+            crash.wait_out_the_inflight_timeout();
+            let taken_over = retry();
+            assert!(
+                !taken_over.replayed(),
+                "{kill:?}: {}",
+                body_text(&taken_over)
+            );
+            taken_over
+        }
+        Finisher::Reaper => {
+            completed(&db, KEY);
+            let replay = retry();
+            assert!(replay.replayed(), "{kill:?}: the reaper completed the key");
+            assert_eq!(metric(&client, "idem_orphans_taken_over_total"), 1);
+            replay
+        }
+    };
+    assert_eq!(answer.status, 201, "{kill:?}: {}", body_text(&answer));
+    assert_eq!(
+        answer.body, stored,
+        "{kill:?}: the answer decided before the crash"
+    );
+    let refund = answer.json();
+    assert_eq!(
+        (refund["amount"].as_i64(), refund["charge"].as_str()),
+        (Some(REFUNDED), Some(id.as_str()))
+    );
+    let late = retry();
+    assert!(late.replayed());
+    assert_eq!(late.body, answer.body);
+
+    let row = key_row(&db, KEY);
+    assert_eq!((row.state.as_str(), row.generation), ("completed", 2));
+    let refunds = calls(&db, CallKind::Refund, &auth);
+    assert_eq!(made(&refunds), 1, "{kill:?}: one refund made: {refunds:?}");
+    assert_eq!(refunds.len(), 1 + kill.refunded_before(), "{refunds:?}");
+    assert!(refunds
+        .iter()
+        .all(|c| c.key == row.op_id && c.amount == REFUNDED));
+    let books = at_acquirer(&db, &auth);
+    assert_eq!(
+        (books.state.as_str(), books.captured, books.refunded),
+        ("captured", SALE, REFUNDED)
+    );
+    assert_eq!(charge(&client, &id)["amount_refunded"], REFUNDED);
+    assert_eq!(client.balance("shop"), SALE - REFUNDED);
+    assert_eq!(client.balance("card"), REFUNDED - SALE);
+    support::assert_verified(&db);
+}
+
+/// A refund killed after its ledger effect (asked for asynchronously, the
+/// way `refund:after_recovery_point` fires today) and one killed after the
+/// acquirer refunded, each finished by a retry and by the reaper.
+#[test]
+fn a_refund_killed_after_its_ledger_effect_or_the_acquirers_refund_is_refunded_once() {
+    let variants = [
+        (RefundKill::AppliedAsync, Finisher::Retry),
+        (RefundKill::AppliedAsync, Finisher::Reaper),
+        (RefundKill::AfterAcquirer, Finisher::Retry),
+        (RefundKill::AfterAcquirer, Finisher::Reaper),
+    ];
+    in_parallel(&variants, |&(kill, finisher)| refund_killed(kill, finisher));
+}
+
+// ---------------------------------------------------------------------------
+// Expiry
+
+/// The reaper claimed an expired hold and the acquirer voided it, then the
+/// server died before the release (`expiry:after_acquirer`): after the
+/// restart the next pass finds its own claim, voids again under the same
+/// key (given the first void, not a second) and releases the hold as
+/// expired.
+#[test]
+fn an_expiry_killed_between_its_void_and_its_release_is_finished_by_the_next_pass() {
+    let dir = TempDir::new("2pc-expiry");
+    let db = dir.db();
+    let fault = "expiry:after_acquirer";
+    let args = ["--authorization-ttl", "1s", "--reaper-interval", "200ms"];
+    let (server, mut client, hold) = server_with_hold(&db, Some(fault), &args);
+    // No request: the reaper itself dies once the hold has expired.
+    let status = server.wait_exit(Duration::from_secs(20));
+    assert!(!status.success(), "{fault}: the server aborted: {status}");
+
+    let (status, claimed_by) = charge_row(&db, &hold.id);
+    assert_eq!(
+        (status.as_str(), claimed_by.as_deref()),
+        ("requires_capture", Some("expiry")),
+        "claimed by the reaper, not released"
+    );
+    let key = format!("expire:{}", hold.id);
+    let voids = calls(&db, CallKind::Void, &hold.authorization);
+    assert_eq!(voids.len(), 1, "{voids:?}");
+    assert!(voids[0].created && voids[0].key == key, "{voids:?}");
+    assert_eq!(at_acquirer(&db, &hold.authorization).state, "voided");
+    support::assert_verified(&db);
+
+    // Until the next pass, the reaper's claim stands: neither a cancel (a
+    // second void, under another key) nor a capture (of a voided
+    // authorization) reaches the acquirer.
+    let server = restart(&db, &mut client, &REAPER_OFF);
+    for (op, key) in [(Settle::Cancel, "cancel"), (Settle::Capture, "capture")] {
+        let refused = client.post(&op.path(&hold.id), Some(key), &op.body());
+        assert_eq!(
+            (refused.status, refused.slug().as_str()),
+            (409, "invalid-charge-state"),
+            "a {key} of a hold the reaper claimed"
+        );
+    }
+    server.kill();
+    let _server = restart(&db, &mut client, &REAPER_ON);
+    let released = wait_until(REAPER_WITHIN, "the next pass releases the hold", || {
+        let c = charge(&client, &hold.id);
+        if c["status"] == "canceled" {
+            Ok(c)
+        } else {
+            Err(format!("{:?}", charge_row(&db, &hold.id)))
+        }
+    });
+    assert_eq!(released["cancellation_reason"], "expired");
+    assert!(released["canceled_at"].is_string() && released["expires_at"].is_null());
+    assert_eq!(released["amount_capturable"], 0);
+    assert_eq!(charge_row(&db, &hold.id).1, None, "the claim is gone");
+    let voids = calls(&db, CallKind::Void, &hold.authorization);
+    assert_eq!(made(&voids), 1, "one void made: {voids:?}");
+    assert_eq!(voids.len(), 2, "asked again once: {voids:?}");
+    assert!(voids.iter().all(|c| c.key == key), "{voids:?}");
+    assert!(calls(&db, CallKind::Capture, &hold.authorization).is_empty());
+    assert_eq!(metric(&client, "idem_authorizations_expired_total"), 1);
+    assert_eq!(funds(&client, "wallet"), (FUNDS, 0, FUNDS));
+    assert_eq!(funds(&client, "shop"), (0, 0, 0));
+    // Later passes have nothing left to do.
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(calls(&db, CallKind::Void, &hold.authorization).len(), 2);
+    support::assert_verified(&db);
+}
+
+// ---------------------------------------------------------------------------
+// The void of an authorization the ledger declined
+
+/// The charges whose authorization is `authorization`.
+fn charges_with(db: &Path, authorization: &str) -> usize {
+    read_only(db)
+        .query_row(
+            "SELECT count(*) FROM charges WHERE authorization_id = ?1",
+            [authorization],
+            |r| r.get::<_, i64>(0),
+        )
+        .unwrap() as usize
+}
+
+/// The wallet's funds, what the late hold asks for, and what the refund
+/// that spends the funds meanwhile takes back.
+const DECLINE_FUNDS: i64 = 1_000;
+const LATE_HOLD: i64 = 800;
+const SPENT: i64 = 900;
+
+/// A charge authorised and killed at its recovery point (`authorized`);
+/// its funds spent before it resumes; its takeover's ledger phase declines
+/// and the server is killed again between the decline record (`declined`,
+/// 402 stored) and the void; then `finisher` finishes it: the void once,
+/// under `<op_id>:void`, the 402 answered and replayed, no charge and no
+/// open authorization left.
+///
+/// `charge:after_recovery_point` fires after every authorization, so the
+/// second kill needs a takeover that skips the authorization: the key is
+/// at `authorized` already. The funds are spent by a refund of the sale
+/// that funded the wallet (a refund is no `charge`, so it does not fire).
+fn decline_killed_before_its_void(finisher: Finisher) {
+    let dir = TempDir::new(&format!("2pc-decline-{finisher:?}"));
+    let db = dir.db();
+    let fault = "charge:after_recovery_point";
+    let late_hold = json!({"amount": LATE_HOLD, "currency": "BRL", "source": "wallet",
+                           "destination": "shop", "capture": false});
+
+    // 1. The wallet, funded by a sale (no fault: it is a charge).
+    let server = start(&db, &REAPER_OFF, None);
+    let mut client = client_of(&server);
+    client.card_and_shop();
+    client.account("wallet", false);
+    let fund = json!({"amount": DECLINE_FUNDS, "currency": "BRL", "source": "card",
+                      "destination": "wallet"});
+    let funded = client.charge("fund", &fund);
+    assert_eq!(funded.status, 201);
+    let fund_id = funded.json()["id"].as_str().unwrap().to_string();
+    server.kill();
+
+    // 2. The late hold is authorised; the server dies at `authorized`.
+    let server = start(&db, &REAPER_OFF, Some(fault));
+    client.addr = server.addr;
+    let first = lose_answer(server, fault, &client, "/v1/charges", &late_hold);
+    let authorized = key_row(&db, KEY);
+    assert_eq!(
+        (
+            authorized.state.as_str(),
+            authorized.recovery_point.as_str()
+        ),
+        ("in_progress", "authorized")
+    );
+    let auth = read_only(&db)
+        .query_row(
+            "SELECT authorization FROM idempotency_keys WHERE key = ?1",
+            [KEY],
+            |r| r.get::<_, String>(0),
+        )
+        .unwrap();
+    assert_eq!(at_acquirer(&db, &auth).state, "authorized");
+
+    // 3. Meanwhile the funds go; the takeover's ledger phase declines,
+    //    records it, and the server dies before the void.
+    let server = start(&db, &REAPER_OFF, Some(fault));
+    client.addr = server.addr;
+    let spend = client.post(
+        &format!("/v1/charges/{fund_id}/refunds"),
+        Some("spend"),
+        &json!({"amount": SPENT}),
+    );
+    assert_eq!(spend.status, 201, "{}", body_text(&spend));
+    assert_eq!(funds(&client, "wallet").2, DECLINE_FUNDS - SPENT);
+    first.wait_out_the_inflight_timeout();
+    let crash = lose_answer(server, fault, &client, "/v1/charges", &late_hold);
+    let declined = key_row(&db, KEY);
+    assert_eq!(
+        (
+            declined.state.as_str(),
+            declined.recovery_point.as_str(),
+            declined.generation,
+            declined.response_status
+        ),
+        ("in_progress", "declined", 2, Some(402)),
+        "the decline is recorded, the void not yet made"
+    );
+    let stored = declined.response_body.clone().unwrap();
+    assert!(calls(&db, CallKind::Void, &auth).is_empty());
+    assert_eq!(at_acquirer(&db, &auth).state, "authorized");
+    assert_eq!(charges_with(&db, &auth), 0, "the ledger declined it");
+    support::assert_verified(&db);
+
+    // 4. Finished by a retry or by the reaper.
+    let args: &[&str] = match finisher {
+        Finisher::Retry => &REAPER_OFF,
+        Finisher::Reaper => &REAPER_ON,
+    };
+    let _server = restart(&db, &mut client, args);
+    let answer = match finisher {
+        Finisher::Retry => {
+            let early = client.charge(KEY, &late_hold);
+            crash.assert_still_fresh("declined");
+            assert_eq!(
+                (early.status, early.slug().as_str()),
+                (409, "idempotency-key-in-use")
+            );
+            crash.wait_out_the_inflight_timeout();
+            let taken_over = client.charge(KEY, &late_hold);
+            assert!(!taken_over.replayed(), "{}", body_text(&taken_over));
+            taken_over
+        }
+        Finisher::Reaper => {
+            completed(&db, KEY);
+            let replay = client.charge(KEY, &late_hold);
+            assert!(replay.replayed(), "the reaper completed the key");
+            replay
+        }
+    };
+    assert_eq!(
+        (answer.status, answer.slug().as_str()),
+        (402, "insufficient-funds")
+    );
+    assert_eq!(answer.body, stored, "the answer decided before the crash");
+    let late = client.charge(KEY, &late_hold);
+    assert!(late.replayed());
+    assert_eq!(late.body, answer.body);
+
+    let row = key_row(&db, KEY);
+    assert_eq!((row.state.as_str(), row.generation), ("completed", 3));
+    let voids = calls(&db, CallKind::Void, &auth);
+    assert_eq!(voids.len(), 1, "one void: {voids:?}");
+    assert!(voids[0].created);
+    assert_eq!(voids[0].key, format!("{}:void", row.op_id));
+    assert!(calls(&db, CallKind::Capture, &auth).is_empty());
+    let authorizations = calls(&db, CallKind::Authorize, &auth);
+    assert_eq!(made(&authorizations), 1, "{authorizations:?}");
+    assert_eq!(at_acquirer(&db, &auth).state, "voided", "not left dangling");
+    assert_eq!(charges_with(&db, &auth), 0);
+    assert_eq!(client.all_charges().len(), 1, "only the sale");
+    let left = DECLINE_FUNDS - SPENT;
+    assert_eq!(funds(&client, "wallet"), (left, 0, left));
+    assert_eq!(funds(&client, "shop"), (0, 0, 0));
+    support::assert_verified(&db);
+}
+
+#[test]
+fn a_decline_killed_before_its_void_is_voided_once_by_a_retry_or_by_the_reaper() {
+    in_parallel(&[Finisher::Retry, Finisher::Reaper], |&finisher| {
+        decline_killed_before_its_void(finisher)
+    });
 }
