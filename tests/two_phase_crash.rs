@@ -883,6 +883,9 @@ enum RefundKill {
     /// respond-async`): its ledger effect and answer are committed by the
     /// operation (recovery point `applied`), the acquirer not yet called.
     AppliedAsync,
+    /// The same point of a synchronous refund, whose ledger effect and
+    /// answer commit in the transaction that reserves its key.
+    AppliedSync,
     /// `refund:after_acquirer`: the acquirer refunded, the key is not yet
     /// completed.
     AfterAcquirer,
@@ -891,7 +894,7 @@ enum RefundKill {
 impl RefundKill {
     fn fault(self) -> &'static str {
         match self {
-            RefundKill::AppliedAsync => "refund:after_recovery_point",
+            RefundKill::AppliedAsync | RefundKill::AppliedSync => "refund:after_recovery_point",
             RefundKill::AfterAcquirer => "refund:after_acquirer",
         }
     }
@@ -1042,6 +1045,20 @@ fn a_refund_killed_after_its_ledger_effect_or_the_acquirers_refund_is_refunded_o
         (RefundKill::AfterAcquirer, Finisher::Reaper),
     ];
     in_parallel(&variants, |&(kill, finisher)| refund_killed(kill, finisher));
+}
+
+/// KNOWN BUG (fails today): `refund:after_recovery_point` never fires for
+/// a synchronous refund — the ordinary kind. Its ledger effect and answer
+/// commit inside the reservation's transaction (`app::prepare`), and
+/// `run_refund`, starting at `applied`, skips the `commit` whose
+/// `Committed::Decided` arm holds the fault; so the server answers 201 and
+/// lives, and this crash — entries committed, the acquirer not yet called —
+/// cannot be produced for a synchronous refund, though ARCHITECTURE.md's
+/// fault table lists it. Kept failing until the fault fires after the
+/// reservation that applied the refund.
+#[test]
+fn a_synchronous_refund_killed_after_its_ledger_effect_is_refunded_once() {
+    refund_killed(RefundKill::AppliedSync, Finisher::Retry);
 }
 
 // ---------------------------------------------------------------------------
