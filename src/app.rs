@@ -367,6 +367,11 @@ impl App {
             Ok(Reserved::Pending(Reservation::Owned { row, took_over })) => {
                 if took_over {
                     self.metrics.orphans_taken_over.inc();
+                } else if row.recovery_point == RecoveryPoint::Applied {
+                    // A synchronous refund's ledger effect and answer were
+                    // committed with its reservation: the point a crash
+                    // test aborts at before the acquirer refunds.
+                    self.fault(FaultPoint::AfterRecoveryPoint, "refund");
                 }
                 self.run_owned(row, mode, deliver);
             }

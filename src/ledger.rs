@@ -493,10 +493,18 @@ pub fn claim_charge(
             row.object.status
         )));
     }
-    if row.claimed_by.is_some() {
-        return Ok(ClaimOutcome::InvalidState(
-            "another capture or cancel of this charge is in progress".into(),
-        ));
+    match row.claimed_by.as_deref() {
+        None => {}
+        Some(EXPIRY_CLAIMER) => {
+            return Ok(ClaimOutcome::InvalidState(
+                "the hold expired and is being released".into(),
+            ))
+        }
+        Some(_) => {
+            return Ok(ClaimOutcome::InvalidState(
+                "another capture or cancel of this charge is in progress".into(),
+            ))
+        }
     }
     let amount = match claim {
         Claim::Capture(amount) => {
