@@ -3093,6 +3093,280 @@ fn the_checks_catch_what_they_claim_to() {
             t.expect
         );
     }
+    // The answers, not only the file: the late capture of hold 3, as if it
+    // had come back before the hold expired, with nothing else trying.
+    let mut early = records.clone();
+    let late = early
+        .iter_mut()
+        .find(|r| r.intent.key == "checks-capture-3")
+        .unwrap();
+    let Kind::Capture { expires_at_ms, .. } = late.intent.kind else {
+        unreachable!("checks-capture-3 is a capture")
+    };
+    late.first.received_ms = expires_at_ms - 1;
+    let path = copy("early.db");
+    let caught = std::panic::catch_unwind(|| check_end(&ctx, &path, &early));
+    let message = caught
+        .err()
+        .and_then(|e| e.downcast_ref::<String>().cloned());
+    assert!(
+        message
+            .as_deref()
+            .is_some_and(|m| m.contains("before hold") && m.contains("no other capture or cancel")),
+        "a 409 before the expiry with no winner: {message:?}"
+    );
+}
+
+/// The judge accepts the answers the contract allows an intent, given what
+/// its client knows, and nothing else.
+#[test]
+fn the_judge_allows_exactly_what_the_contract_allows() {
+    const EXPIRES: i64 = 1_796_000_002_000;
+    let intent = |kind: Kind, created_ms: i64| Intent {
+        client: 0,
+        consumer: 0,
+        key: "k".into(),
+        path: "/v1/charges".into(),
+        body: "{}".into(),
+        kind,
+        respond_async: false,
+        created_ms,
+        tag: "judge",
+    };
+    let answer = |status: u16, body: Value| Answer {
+        status,
+        body: body.to_string().into_bytes(),
+        replayed: false,
+        received_ms: 0,
+    };
+    let problem = |status: u16, slug: &str| {
+        answer(
+            status,
+            json!({"type": format!("urn:idem:problem:{slug}"), "status": status}),
+        )
+    };
+    let time = |ms: i64| json!(idem::time::rfc3339(ms));
+    let hold = |lifetime: i64| {
+        let kind = Kind::Charge {
+            amount: 1000,
+            source: "fund_brl",
+            destination: "shop_brl_a",
+            reference: "r".into(),
+            may_decline: false,
+            capture: false,
+        };
+        let body = json!({"object": "charge", "id": "ch_1", "amount": 1000,
+            "source": "fund_brl", "destination": "shop_brl_a", "reference": "r",
+            "authorization": "auth_1", "status": "requires_capture", "amount_captured": 0,
+            "amount_capturable": 1000, "amount_refunded": 0, "canceled_at": null,
+            "cancellation_reason": null, "created_at": time(EXPIRES - lifetime),
+            "expires_at": time(EXPIRES)});
+        (intent(kind, 0), answer(201, body))
+    };
+    let settled = |status: &str, captured: i64, reason: Value| {
+        let canceled_at = if reason.is_null() {
+            Value::Null
+        } else {
+            time(EXPIRES)
+        };
+        answer(
+            200,
+            json!({"object": "charge", "id": "ch_1", "amount": 1000, "status": status,
+                "amount_captured": captured, "amount_capturable": 0, "amount_refunded": 0,
+                "expires_at": null, "canceled_at": canceled_at, "cancellation_reason": reason}),
+        )
+    };
+    let capture = |amount: Option<i64>, created_ms: i64, settled: bool| {
+        let kind = Kind::Capture {
+            charge: "ch_1".into(),
+            amount,
+            authorized: 1000,
+            expires_at_ms: EXPIRES,
+            settled,
+        };
+        intent(kind, created_ms)
+    };
+    let cancel = |settled: bool| {
+        let kind = Kind::Cancel {
+            charge: "ch_1".into(),
+            authorized: 1000,
+            settled,
+        };
+        intent(kind, 0)
+    };
+    let refund = |amount: Option<i64>, left: Option<i64>| {
+        let kind = Kind::Refund {
+            charge: "ch_1".into(),
+            amount,
+            left,
+        };
+        intent(kind, 0)
+    };
+    let refunded = |amount: i64| {
+        answer(
+            201,
+            json!({"object": "refund", "id": "re_1", "charge": "ch_1", "amount": amount}),
+        )
+    };
+    let captured = |n: i64| settled("succeeded", n, Value::Null);
+    let before = EXPIRES - 1;
+    let cases: Vec<(&str, Intent, Answer, bool)> = vec![
+        (
+            "a hold",
+            hold(AUTHORIZATION_TTL_MS).0,
+            hold(AUTHORIZATION_TTL_MS).1,
+            true,
+        ),
+        ("a hold with another lifetime", hold(1).0, hold(1).1, false),
+        (
+            "a full capture",
+            capture(None, before, false),
+            captured(1000),
+            true,
+        ),
+        (
+            "a partial capture",
+            capture(Some(600), before, false),
+            captured(600),
+            true,
+        ),
+        (
+            "a capture for another amount",
+            capture(Some(600), before, false),
+            captured(1000),
+            false,
+        ),
+        (
+            "a capture made at the expiry",
+            capture(None, EXPIRES, false),
+            captured(1000),
+            false,
+        ),
+        (
+            "a capture of a settled hold",
+            capture(None, before, true),
+            captured(1000),
+            false,
+        ),
+        (
+            "a capture lost",
+            capture(None, before, false),
+            problem(409, "invalid-charge-state"),
+            true,
+        ),
+        (
+            "a capture told its key is busy",
+            capture(None, before, false),
+            problem(409, "idempotency-key-in-use"),
+            false,
+        ),
+        (
+            "a capture over",
+            capture(Some(1001), before, false),
+            problem(422, "capture-exceeds-authorization"),
+            true,
+        ),
+        (
+            "a capture not over, 422",
+            capture(Some(1000), before, false),
+            problem(422, "capture-exceeds-authorization"),
+            false,
+        ),
+        (
+            "a cancel",
+            cancel(false),
+            settled("canceled", 0, json!("requested")),
+            true,
+        ),
+        (
+            "a cancel that expired",
+            cancel(false),
+            settled("canceled", 0, json!("expired")),
+            false,
+        ),
+        (
+            "a cancel that captured",
+            cancel(false),
+            captured(1000),
+            false,
+        ),
+        (
+            "a cancel of a settled hold",
+            cancel(true),
+            settled("canceled", 0, json!("requested")),
+            false,
+        ),
+        (
+            "a refund of all that is left",
+            refund(None, Some(300)),
+            refunded(300),
+            true,
+        ),
+        (
+            "a refund that fits",
+            refund(Some(300), Some(300)),
+            refunded(300),
+            true,
+        ),
+        (
+            "a refund that fits, 422",
+            refund(Some(300), Some(300)),
+            problem(422, "refund-exceeds-charge"),
+            false,
+        ),
+        (
+            "a refund that fits, 402",
+            refund(Some(300), Some(300)),
+            problem(402, "insufficient-funds"),
+            true,
+        ),
+        (
+            "a refund past what is left",
+            refund(Some(301), Some(300)),
+            problem(422, "refund-exceeds-charge"),
+            true,
+        ),
+        (
+            "a refund past what is left, 201",
+            refund(Some(301), Some(300)),
+            refunded(301),
+            false,
+        ),
+        (
+            "a refund past what is left, 402",
+            refund(Some(301), Some(300)),
+            problem(402, "insufficient-funds"),
+            false,
+        ),
+        (
+            "a refund of nothing left",
+            refund(None, Some(0)),
+            problem(422, "refund-exceeds-charge"),
+            true,
+        ),
+        (
+            "a refund of a hold",
+            refund(None, None),
+            problem(409, "invalid-charge-state"),
+            true,
+        ),
+        (
+            "a refund of a hold, 201",
+            refund(None, None),
+            refunded(1000),
+            false,
+        ),
+        (
+            "a refund of a sale, 409",
+            refund(None, Some(300)),
+            problem(409, "invalid-charge-state"),
+            false,
+        ),
+    ];
+    for (name, intent, answer, allowed) in cases {
+        let verdict = judge(&intent, &answer);
+        assert_eq!(verdict.is_ok(), allowed, "{name}: {verdict:?}");
+    }
 }
 
 /// The test's reading of idem's timestamps agrees with idem's rendering,
