@@ -224,7 +224,7 @@ const CHECKS: &[(&str, Check)] = &[
         ),
     ),
     (
-        "6. a claimed hold belongs to a capture or cancel in progress, or to the expiry",
+        "6. a claimed hold belongs to a capture or cancel of it in progress, or to the expiry",
         // A claim whose operation finished without releasing it would keep
         // the hold forever: nothing else may capture or cancel it.
         Check::Query(
@@ -232,7 +232,9 @@ const CHECKS: &[(&str, Check)] = &[
              ', which is not in progress' FROM charges c \
              WHERE c.claimed_by IS NOT NULL AND c.claimed_by <> 'expiry' \
              AND NOT EXISTS (SELECT 1 FROM idempotency_keys k \
-               WHERE k.op_id = c.claimed_by AND k.state = 'in_progress')",
+               WHERE k.op_id = c.claimed_by AND k.state = 'in_progress' \
+               AND k.path IN ('/v1/charges/' || c.public_id || '/capture', \
+                 '/v1/charges/' || c.public_id || '/cancel'))",
         ),
     ),
     (
