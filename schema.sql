@@ -1,4 +1,4 @@
--- idem schema, version 2 (PRAGMA user_version = 2): the whole current schema,
+-- idem schema, version 3 (PRAGMA user_version = 3): the whole current schema,
 -- applied as it is to a new database. An existing database reaches the same
 -- schema through the numbered steps in migrations/ (tests/migrations.rs proves
 -- that both ways give the same schema).
@@ -25,35 +25,65 @@ CREATE TABLE accounts (
     metadata        TEXT    NOT NULL,
     balance         INTEGER NOT NULL DEFAULT 0,
     created_at      INTEGER NOT NULL,
+    -- The sum of the amounts of the `requires_capture` charges drawing on
+    -- this account (their holds): `available` = balance - held.
+    held            INTEGER NOT NULL DEFAULT 0
+        CHECK (typeof(held) = 'integer' AND held >= 0),
+    -- The sum of the amounts that those holds may still credit to this
+    -- account: room reserved so that a capture can never overflow a balance.
+    pending_credit  INTEGER NOT NULL DEFAULT 0
+        CHECK (typeof(pending_credit) = 'integer' AND pending_credit >= 0),
     UNIQUE (consumer_id, public_id)
 );
 
 CREATE TABLE charges (
-    id                INTEGER PRIMARY KEY,
-    consumer_id       INTEGER NOT NULL REFERENCES consumers(id),
-    public_id         TEXT    NOT NULL UNIQUE,
-    amount            INTEGER NOT NULL CHECK (amount > 0),
-    currency          TEXT    NOT NULL,
-    source_id         INTEGER NOT NULL REFERENCES accounts(id),
-    destination_id    INTEGER NOT NULL REFERENCES accounts(id),
-    amount_refunded   INTEGER NOT NULL DEFAULT 0 CHECK (amount_refunded BETWEEN 0 AND amount),
-    reference         TEXT,
-    description       TEXT,
-    metadata          TEXT    NOT NULL,
+    id                   INTEGER PRIMARY KEY,
+    consumer_id          INTEGER NOT NULL REFERENCES consumers(id),
+    public_id            TEXT    NOT NULL UNIQUE,
+    amount               INTEGER NOT NULL CHECK (amount > 0),
+    currency             TEXT    NOT NULL,
+    source_id            INTEGER NOT NULL REFERENCES accounts(id),
+    destination_id       INTEGER NOT NULL REFERENCES accounts(id),
+    -- 'succeeded' (captured: entries of amount_captured), 'requires_capture'
+    -- (a hold of `amount` on the source, no entries) or 'canceled' (the hold
+    -- released, no entries).
+    status               TEXT    NOT NULL
+        CHECK (status IN ('succeeded', 'requires_capture', 'canceled')),
+    amount_captured      INTEGER NOT NULL CHECK (amount_captured BETWEEN 0 AND amount),
+    amount_refunded      INTEGER NOT NULL DEFAULT 0 CHECK (amount_refunded >= 0),
+    amount_disputed      INTEGER NOT NULL DEFAULT 0 CHECK (amount_disputed >= 0),
+    reference            TEXT,
+    description          TEXT,
+    metadata             TEXT    NOT NULL,
     -- SHA-256 of the canonical request body: a new key with the same reference
     -- is a replay only when this matches.
-    fingerprint       BLOB    NOT NULL,
+    fingerprint          BLOB    NOT NULL,
     -- The reservation that produced the charge (idempotency_keys.op_id). Key rows
     -- are deleted after retention, so this is not a foreign key; UNIQUE proves
     -- that no reservation produced two charges.
-    op_id             TEXT    NOT NULL UNIQUE,
-    idempotency_key   TEXT    NOT NULL,
-    authorization_id  TEXT    NOT NULL,
-    created_at        INTEGER NOT NULL
+    op_id                TEXT    NOT NULL UNIQUE,
+    idempotency_key      TEXT    NOT NULL,
+    authorization_id     TEXT    NOT NULL,
+    -- When the reaper voids the hold of a 'requires_capture' charge.
+    expires_at           INTEGER,
+    canceled_at          INTEGER,
+    cancellation_reason  TEXT    CHECK (cancellation_reason IN ('requested', 'expired')),
+    -- The capture or cancel (its op_id) or the expiry ('expiry') that claimed
+    -- this hold; the first claim wins and the others answer 409.
+    claimed_by           TEXT,
+    created_at           INTEGER NOT NULL,
+    CHECK (amount_refunded + amount_disputed <= amount_captured),
+    CHECK ((status = 'succeeded') = (amount_captured > 0)),
+    CHECK ((status = 'requires_capture') = (expires_at IS NOT NULL)),
+    CHECK ((status = 'canceled') = (canceled_at IS NOT NULL)),
+    CHECK ((status = 'canceled') = (cancellation_reason IS NOT NULL)),
+    CHECK (status = 'requires_capture' OR claimed_by IS NULL)
 );
 CREATE INDEX charges_by_consumer ON charges(consumer_id, id);
 CREATE UNIQUE INDEX charges_by_reference ON charges(consumer_id, reference)
     WHERE reference IS NOT NULL;
+-- Holds the reaper expires, oldest first.
+CREATE INDEX charges_expiring ON charges(expires_at) WHERE status = 'requires_capture';
 
 CREATE TABLE refunds (
     id               INTEGER PRIMARY KEY,
@@ -98,8 +128,14 @@ CREATE TABLE idempotency_keys (
     -- When the current owner last proved it was alive (reservation or
     -- recovery point); 0 means unlocked: the next request takes over at once.
     locked_at        INTEGER NOT NULL,
-    -- 'reserved' or 'authorized' (the acquirer answered; see authorization).
-    recovery_point   TEXT    NOT NULL CHECK (recovery_point IN ('reserved', 'authorized')),
+    -- Where the operation stands: 'reserved' (nothing left the database),
+    -- 'authorized' (the acquirer authorised; see authorization), 'declined'
+    -- (the ledger declined after the authorization: the answer is stored,
+    -- the void is due), 'captured' / 'voided' (the acquirer captured or
+    -- voided; the ledger phase is due), 'applied' (a refund's ledger effect
+    -- and answer are committed; the acquirer's refund is due).
+    recovery_point   TEXT    NOT NULL CHECK (recovery_point IN
+        ('reserved', 'authorized', 'declined', 'captured', 'voided', 'applied')),
     -- The validated request as JSON, so the reaper can finish it alone.
     request          TEXT    NOT NULL,
     -- A charge's `reference`, claimed while the key is in progress so that
@@ -111,7 +147,11 @@ CREATE TABLE idempotency_keys (
     created_at       INTEGER NOT NULL,
     completed_at     INTEGER,
     UNIQUE (consumer_id, method, path, key),
-    CHECK ((state = 'completed') = (response_status IS NOT NULL AND completed_at IS NOT NULL))
+    -- A completed key has its answer; an in-progress one may have it already
+    -- (decided, with one acquirer call still due: 'declined', 'applied').
+    CHECK ((state = 'completed') = (completed_at IS NOT NULL)),
+    CHECK (state = 'in_progress' OR response_status IS NOT NULL),
+    CHECK ((response_status IS NULL) = (response_body IS NULL))
 );
 CREATE INDEX idempotency_in_progress ON idempotency_keys(locked_at)
     WHERE state = 'in_progress';

@@ -45,10 +45,10 @@ impl Reply {
         }
     }
 
-    /// A stored answer, byte for byte. A replay of a key carries
-    /// `Idempotent-Replayed: true`; so does a first answer of 200, which in
-    /// this API only ever means "this resource already existed" (an account's
-    /// natural id, a charge's `reference`).
+    /// A stored answer, byte for byte. `replayed` adds
+    /// `Idempotent-Replayed: true`: a replay of a key, or a first answer that
+    /// names what already existed (an account's natural id, a charge's
+    /// `reference`).
     pub fn stored(stored: StoredResponse, replayed: bool) -> Reply {
         let content_type = if stored.status >= 400 {
             PROBLEM_JSON
@@ -56,7 +56,7 @@ impl Reply {
             JSON
         };
         let reply = Reply::raw(stored.status, content_type, stored.body);
-        if replayed || stored.status == 200 {
+        if replayed {
             reply.header("idempotent-replayed", "true")
         } else {
             reply
@@ -174,6 +174,13 @@ pub enum Problem {
     CurrencyMismatch,
     ResourceMismatch,
     RefundExceedsCharge,
+    /// A capture or cancel of a charge that is not `requires_capture` (or
+    /// that another capture or cancel claimed first), a capture after the
+    /// hold expired, or a refund of money not captured; the detail says
+    /// which.
+    InvalidChargeState(String),
+    /// A capture of more than the charge's `amount_capturable`.
+    CaptureExceedsAuthorization,
     /// A balance would leave the range of a 64-bit integer.
     BalanceOverflow,
     TemporarilyUnavailable(String),
@@ -199,12 +206,15 @@ impl Problem {
             Problem::InsufficientFunds => 402,
             Problem::NotFound | Problem::AccountNotFound => 404,
             Problem::MethodNotAllowed { .. } => 405,
-            Problem::IdempotencyKeyInUse | Problem::ReferenceInUse => 409,
+            Problem::IdempotencyKeyInUse
+            | Problem::ReferenceInUse
+            | Problem::InvalidChargeState(_) => 409,
             Problem::BodyTooLarge => 413,
             Problem::IdempotencyKeyReused
             | Problem::CurrencyMismatch
             | Problem::ResourceMismatch
             | Problem::RefundExceedsCharge
+            | Problem::CaptureExceedsAuthorization
             | Problem::BalanceOverflow => 422,
             Problem::Internal => 500,
             Problem::TemporarilyUnavailable(_) => 503,
@@ -228,6 +238,8 @@ impl Problem {
             Problem::CurrencyMismatch => "currency-mismatch",
             Problem::ResourceMismatch => "resource-mismatch",
             Problem::RefundExceedsCharge => "refund-exceeds-charge",
+            Problem::InvalidChargeState(_) => "invalid-charge-state",
+            Problem::CaptureExceedsAuthorization => "capture-exceeds-authorization",
             Problem::BalanceOverflow => "balance-overflow",
             Problem::TemporarilyUnavailable(_) => "temporarily-unavailable",
             Problem::Internal => "internal-error",
@@ -251,6 +263,8 @@ impl Problem {
             Problem::CurrencyMismatch => "Currency mismatch",
             Problem::ResourceMismatch => "Resource mismatch",
             Problem::RefundExceedsCharge => "Refund exceeds charge",
+            Problem::InvalidChargeState(_) => "Invalid charge state",
+            Problem::CaptureExceedsAuthorization => "Capture exceeds authorization",
             Problem::BalanceOverflow => "Balance overflow",
             Problem::TemporarilyUnavailable(_) => "Temporarily unavailable",
             Problem::Internal => "Internal error",
@@ -259,9 +273,9 @@ impl Problem {
 
     fn detail(&self) -> String {
         match self {
-            Problem::InvalidRequest(detail) | Problem::TemporarilyUnavailable(detail) => {
-                detail.clone()
-            }
+            Problem::InvalidRequest(detail)
+            | Problem::TemporarilyUnavailable(detail)
+            | Problem::InvalidChargeState(detail) => detail.clone(),
             Problem::BodyTooLarge => format!(
                 "the body is larger than {} bytes",
                 crate::config::BODY_SIZE_MAX_BYTES
@@ -296,6 +310,9 @@ impl Problem {
                 "a resource with this id or reference exists with other fields".into()
             }
             Problem::RefundExceedsCharge => "the amount exceeds what is left to refund".into(),
+            Problem::CaptureExceedsAuthorization => {
+                "the amount exceeds the charge's amount_capturable".into()
+            }
             Problem::BalanceOverflow => "a balance would exceed the representable range".into(),
             Problem::Internal => "an internal error occurred; the request can be retried".into(),
         }

@@ -29,9 +29,15 @@ use crate::idempotency::{
     self, Attempt, Fingerprint, IdempotencyKey, KeyRow, KeyState, Mode, Owner, RecoveryPoint,
     Reservation, Scope, StoredResponse, Timeouts,
 };
-use crate::ledger::{self, AccountOutcome, ChargeOutcome, Origin, RefundOutcome, UnknownCursor};
+use crate::ledger::{
+    self, AccountOutcome, CancellationReason, ChargeOutcome, Claim, ClaimOutcome, Origin,
+    RefundOutcome, UnknownCursor,
+};
 use crate::metrics::Metrics;
-use crate::model::{AccountRequest, ChargeRequest, ListObject, Operation, Page, RefundRequest};
+use crate::model::{
+    AccountRequest, CancelRequest, CaptureRequest, ChargeRequest, ListObject, Operation, Page,
+    RefundRequest,
+};
 use crate::pool::{Pool, Task};
 use crate::store::{Readers, Writer};
 use crate::time::now_ms;
@@ -50,19 +56,47 @@ pub struct App {
     reservations: Pool,
     /// Owned operations (acquirer, recovery point, ledger phase).
     operations: Pool,
+    /// Held for a whole reaper pass, so that the reaper thread and
+    /// `Server::reap_now` never expire the same hold at once.
+    reaping: std::sync::Mutex<()>,
     /// Itself, for the tasks it hands to its pools.
     me: Weak<App>,
 }
 
-/// The reservation step's result, with the inline case (accounts and
-/// refunds need no acquirer, so a synchronous one completes in the same
-/// transaction that reserved its key).
+/// The reservation step's result, with the inline case: an answer decided
+/// in the transaction that reserved the key (a synchronous account; a refund
+/// the ledger refuses; a capture or cancel whose charge cannot be claimed).
 enum Reserved {
     Done {
         stored: StoredResponse,
         took_over: bool,
+        /// A first answer that names what already existed (200).
+        existing: bool,
     },
     Pending(Reservation),
+}
+
+/// What the reservation transaction does besides reserving.
+enum Prepared {
+    /// The answer is final: complete the key in this transaction.
+    Done(StoredResponse, bool),
+    /// Hand the operation on (its row as this transaction left it).
+    Run(KeyRow),
+}
+
+/// How a ledger-phase transaction leaves its key.
+enum Step {
+    /// The answer is final: the key completes in this transaction.
+    Complete(StoredResponse, bool),
+    /// The answer is decided, and one acquirer call is still due before the
+    /// key completes (`Declined`: void the authorization; `Applied`: refund).
+    Decided(RecoveryPoint, StoredResponse),
+}
+
+/// What a ledger-phase transaction did.
+enum Committed {
+    Completed(StoredResponse, bool),
+    Decided,
 }
 
 #[derive(Serialize)]
@@ -98,6 +132,7 @@ impl App {
             consumers: RwLock::new(HashMap::new()),
             reservations: Pool::start("reserve", RESERVATION_THREADS, RESERVATION_QUEUE_LEN_MAX),
             operations: Pool::start("op", OPERATION_THREADS, OPERATION_QUEUE_LEN_MAX),
+            reaping: std::sync::Mutex::new(()),
             me: me.clone(),
         })
     }
@@ -121,9 +156,16 @@ impl App {
         }
     }
 
-    fn fault(&self, point: FaultPoint) {
-        if self.config.fault == Some(point) {
-            eprintln!("idem: fault point {point:?} reached, aborting");
+    /// Aborts the process at `point` of an operation of `kind`, if the
+    /// configuration asks for it (the crash tests).
+    fn fault(&self, point: FaultPoint, kind: &str) {
+        let kind_matches = self
+            .config
+            .fault_operation
+            .as_deref()
+            .is_none_or(|k| k == kind);
+        if self.config.fault == Some(point) && kind_matches {
+            eprintln!("idem: fault point {point:?} reached in a {kind}, aborting");
             std::process::abort();
         }
     }
@@ -192,7 +234,7 @@ impl App {
                     ledger::create_account(tx, consumer, &req, now_ms()).map(account_response)
                 });
                 deliver(match created {
-                    Ok(stored) => Reply::stored(stored, false),
+                    Ok((stored, existing)) => Reply::stored(stored, existing),
                     Err(e) => Problem::from(e).reply(),
                 })
             }),
@@ -231,6 +273,34 @@ impl App {
         self.idempotent(consumer, path, key, mode, fp, Operation::Refund(req))
     }
 
+    /// `POST /v1/charges/{id}/capture`.
+    pub fn create_capture(
+        &self,
+        consumer: i64,
+        key: IdempotencyKey,
+        mode: Mode,
+        body: &Value,
+        req: CaptureRequest,
+    ) -> Answer {
+        let path = format!("/v1/charges/{}/capture", req.charge);
+        let fp = idempotency::fingerprint(body);
+        self.idempotent(consumer, path, key, mode, fp, Operation::Capture(req))
+    }
+
+    /// `POST /v1/charges/{id}/cancel`.
+    pub fn create_cancel(
+        &self,
+        consumer: i64,
+        key: IdempotencyKey,
+        mode: Mode,
+        body: &Value,
+        req: CancelRequest,
+    ) -> Answer {
+        let path = format!("/v1/charges/{}/cancel", req.charge);
+        let fp = idempotency::fingerprint(body);
+        self.idempotent(consumer, path, key, mode, fp, Operation::Cancel(req))
+    }
+
     /// Steps 4–5 of the protocol: reserve the key (or learn why not) in one
     /// write transaction, then answer or do the work.
     fn idempotent(
@@ -257,7 +327,6 @@ impl App {
                 _ => None,
             },
         };
-        let inline = mode == Mode::Sync && !matches!(op, Operation::Charge(_));
         let t = self.timeouts();
         // Duplicates are answered from a reader, never queued behind writes.
         let seen = self
@@ -271,9 +340,7 @@ impl App {
             // Everything that writes runs on the reservation pool, then the
             // operation pool: no HTTP worker waits for the writer or the
             // acquirer.
-            None => {
-                self.later(move |app, deliver| app.reserve_and_run(attempt, op, inline, deliver))
-            }
+            None => self.later(move |app, deliver| app.reserve_and_run(attempt, op, deliver)),
         }
     }
 
@@ -294,12 +361,17 @@ impl App {
     /// Steps 4–5 on a reservation thread: reserve; when this request owns
     /// the key, hand the operation to the operation pool. Async mode answers
     /// 202 once the operation is queued.
-    fn reserve_and_run(&self, attempt: Attempt, op: Operation, inline: bool, deliver: Deliver) {
+    fn reserve_and_run(&self, attempt: Attempt, op: Operation, deliver: Deliver) {
         let mode = attempt.mode;
-        match self.reserve(attempt, op, inline) {
+        match self.reserve(attempt, op) {
             Ok(Reserved::Pending(Reservation::Owned { row, took_over })) => {
                 if took_over {
                     self.metrics.orphans_taken_over.inc();
+                } else if row.recovery_point == RecoveryPoint::Applied {
+                    // A synchronous refund's ledger effect and answer were
+                    // committed with its reservation: the point a crash
+                    // test aborts at before the acquirer refunds.
+                    self.fault(FaultPoint::AfterRecoveryPoint, "refund");
                 }
                 self.run_owned(row, mode, deliver);
             }
@@ -330,19 +402,25 @@ impl App {
     }
 
     /// The write half of step 4: reserve (or take over) in the writer, and
-    /// for an inline operation apply it in the same transaction.
-    fn reserve(&self, attempt: Attempt, op: Operation, inline: bool) -> Result<Reserved> {
+    /// in the same transaction what must happen with the reservation
+    /// ([`prepare`]).
+    fn reserve(&self, attempt: Attempt, op: Operation) -> Result<Reserved> {
         let t = self.timeouts();
+        let mode = attempt.mode;
         self.writer.call(move |tx| {
             let now = now_ms();
-            let r = idempotency::reserve(tx, &attempt, now, t)?;
-            match r {
-                Reservation::Owned { row, took_over } if inline => {
-                    let owner = row.owner();
-                    let stored = apply_local(tx, &owner, &op, now)?;
-                    let completed = idempotency::complete(tx, &owner, &stored, now)?;
-                    assert!(completed, "the key was reserved in this transaction");
-                    Ok(Reserved::Done { stored, took_over })
+            match idempotency::reserve(tx, &attempt, now, t)? {
+                Reservation::Owned { row, took_over } => {
+                    match prepare(tx, row, &op, mode, took_over, now)? {
+                        Prepared::Done(stored, existing) => Ok(Reserved::Done {
+                            stored,
+                            took_over,
+                            existing,
+                        }),
+                        Prepared::Run(row) => {
+                            Ok(Reserved::Pending(Reservation::Owned { row, took_over }))
+                        }
+                    }
                 }
                 other => Ok(Reserved::Pending(other)),
             }
@@ -353,11 +431,15 @@ impl App {
     fn answer(&self, reserved: Result<Reserved>, mode: Mode) -> Reply {
         match reserved {
             Err(e) => Problem::from(e).reply(),
-            Ok(Reserved::Done { stored, took_over }) => {
+            Ok(Reserved::Done {
+                stored,
+                took_over,
+                existing,
+            }) => {
                 if took_over {
                     self.metrics.orphans_taken_over.inc();
                 }
-                Reply::stored(stored, false)
+                Reply::stored(stored, existing)
             }
             Ok(Reserved::Pending(Reservation::Replay(stored))) => {
                 self.metrics.idempotent_replays.inc();
@@ -410,35 +492,252 @@ impl App {
                 return Problem::Internal.reply();
             }
         };
-        match op {
-            Operation::Charge(req) => {
-                let fp: Fingerprint = row
-                    .fingerprint
-                    .as_slice()
-                    .try_into()
-                    .expect("fingerprints are 32 bytes");
-                let authorization = match row.recovery_point {
-                    RecoveryPoint::Authorized => row.authorization.clone().unwrap_or_default(),
-                    RecoveryPoint::Reserved => {
-                        match self.authorize(&owner, row.locked_at_ms, &req, &fp) {
-                            Ok(auth) => auth,
-                            Err(reply) => return reply,
-                        }
-                    }
-                };
-                if let Some(hook) = &self.config.hooks.before_ledger_phase {
-                    hook(&owner.op_id);
-                }
-                self.ledger_phase(owner, move |tx, o, now| {
-                    let origin = Origin {
-                        op_id: &o.op_id,
-                        key: &o.key,
-                    };
-                    ledger::apply_charge(tx, o.consumer_id, &req, &fp, &origin, &authorization, now)
-                        .map(charge_response)
-                })
+        let point = row.recovery_point;
+        let result = match op {
+            Operation::Charge(req) => self.run_charge(&row, req),
+            Operation::Capture(req) => self.run_capture(&owner, point, row.locked_at_ms, req),
+            Operation::Cancel(req) => self.run_cancel(&owner, point, row.locked_at_ms, req),
+            Operation::Refund(req) => self.run_refund(&owner, point, row.locked_at_ms, req),
+            Operation::Account(req) => self.ledger_phase(&owner, "account", move |tx, o, now| {
+                ledger::create_account(tx, o.consumer_id, &req, now)
+                    .map(account_response)
+                    .map(|(stored, existing)| Step::Complete(stored, existing))
+            }),
+        };
+        result.unwrap_or_else(|reply| reply)
+    }
+
+    /// A charge: the pre-check (a final outcome needs no acquirer), the
+    /// authorization and its recovery point, the ledger phase; and when the
+    /// ledger declines after the acquirer authorised, the void of that
+    /// authorization (its own recovery point) before the answer is final.
+    fn run_charge(&self, row: &KeyRow, req: ChargeRequest) -> Result<Reply, Reply> {
+        let owner = row.owner();
+        let fp: Fingerprint = row
+            .fingerprint
+            .as_slice()
+            .try_into()
+            .expect("fingerprints are 32 bytes");
+        let authorization = match row.recovery_point {
+            RecoveryPoint::Reserved => self.authorize(&owner, row.locked_at_ms, &req, &fp)?,
+            _ => row.authorization.clone().unwrap_or_default(),
+        };
+        if row.recovery_point != RecoveryPoint::Declined {
+            if let Some(hook) = &self.config.hooks.before_ledger_phase {
+                hook(&owner.op_id);
             }
-            op => self.ledger_phase(owner, move |tx, o, now| apply_local(tx, o, &op, now)),
+            let ttl = crate::time::millis(self.config.authorization_ttl);
+            let auth = authorization.clone();
+            let committed = self.commit(&owner, "charge", move |tx, o, now| {
+                let origin = Origin {
+                    op_id: &o.op_id,
+                    key: &o.key,
+                };
+                let expires = now.saturating_add(ttl);
+                let outcome = ledger::apply_charge(
+                    tx,
+                    o.consumer_id,
+                    &req,
+                    &fp,
+                    &origin,
+                    &auth,
+                    now,
+                    expires,
+                )?;
+                Ok(match outcome {
+                    ChargeOutcome::Created(c) => Step::Complete(json_response(201, &c), false),
+                    // Declined after the acquirer authorised: the answer is
+                    // decided, and the authorization must not dangle.
+                    other => {
+                        let (stored, _) = charge_response(other);
+                        Step::Decided(RecoveryPoint::Declined, stored)
+                    }
+                })
+            })?;
+            if let Committed::Completed(stored, existing) = committed {
+                return Ok(Reply::stored(stored, existing));
+            }
+        }
+        // The decline was just recorded (or the key just taken over): the
+        // lock is fresh, so the void has the whole deadline.
+        let key = format!("{}:void", owner.op_id);
+        self.call_acquirer(&owner, now_ms(), "charge", |deadline| {
+            self.acquirer.void(&key, &authorization, deadline)
+        })?;
+        self.finish(&owner, "charge")
+    }
+
+    /// A capture: the charge was claimed when the key was reserved; the
+    /// acquirer captures (a recovery point), then the ledger phase moves the
+    /// captured amount and releases the hold.
+    fn run_capture(
+        &self,
+        owner: &Owner,
+        point: RecoveryPoint,
+        locked_at_ms: i64,
+        req: CaptureRequest,
+    ) -> Result<Reply, Reply> {
+        let claim = Claim::Capture(req.amount);
+        let (authorization, amount) = self.claimed(owner, &req.charge, claim)?;
+        if point == RecoveryPoint::Reserved {
+            self.fault(FaultPoint::AfterReserve, "capture");
+            self.call_acquirer(owner, locked_at_ms, "capture", |deadline| {
+                self.acquirer
+                    .capture(&owner.op_id, &authorization, amount, deadline)
+            })?;
+            self.record(owner, RecoveryPoint::Captured, "capture")?;
+        }
+        if let Some(hook) = &self.config.hooks.before_ledger_phase {
+            hook(&owner.op_id);
+        }
+        let charge = req.charge;
+        self.ledger_phase(owner, "capture", move |tx, o, now| {
+            let c = ledger::apply_capture(tx, o.consumer_id, &charge, &o.op_id, amount, now)?;
+            Ok(Step::Complete(json_response(200, &c), false))
+        })
+    }
+
+    /// A cancel: like a capture, with a void and the hold released.
+    fn run_cancel(
+        &self,
+        owner: &Owner,
+        point: RecoveryPoint,
+        locked_at_ms: i64,
+        req: CancelRequest,
+    ) -> Result<Reply, Reply> {
+        let (authorization, _) = self.claimed(owner, &req.charge, Claim::Cancel)?;
+        if point == RecoveryPoint::Reserved {
+            self.fault(FaultPoint::AfterReserve, "cancel");
+            self.call_acquirer(owner, locked_at_ms, "cancel", |deadline| {
+                self.acquirer.void(&owner.op_id, &authorization, deadline)
+            })?;
+            self.record(owner, RecoveryPoint::Voided, "cancel")?;
+        }
+        if let Some(hook) = &self.config.hooks.before_ledger_phase {
+            hook(&owner.op_id);
+        }
+        let charge = req.charge;
+        self.ledger_phase(owner, "cancel", move |tx, o, now| {
+            let c = ledger::apply_cancel(
+                tx,
+                o.consumer_id,
+                &charge,
+                &o.op_id,
+                CancellationReason::Requested,
+                now,
+            )?;
+            Ok(Step::Complete(json_response(200, &c), false))
+        })
+    }
+
+    /// A refund, ledger first: its entries and its answer commit (recovery
+    /// point `Applied`; a refusal is final at once), then the acquirer
+    /// refunds, then the key completes.
+    fn run_refund(
+        &self,
+        owner: &Owner,
+        point: RecoveryPoint,
+        mut locked_at_ms: i64,
+        req: RefundRequest,
+    ) -> Result<Reply, Reply> {
+        if point == RecoveryPoint::Reserved {
+            let committed = self.commit(owner, "refund", move |tx, o, now| {
+                refund_step(tx, o, &req, now)
+            })?;
+            if let Committed::Completed(stored, existing) = committed {
+                return Ok(Reply::stored(stored, existing));
+            }
+            // Recording the answer refreshed the lock.
+            locked_at_ms = now_ms();
+        }
+        let op_id = owner.op_id.clone();
+        let applied = self.readers.read(|c| ledger::applied_refund(c, &op_id));
+        let (authorization, amount) = match applied {
+            Ok(Some(found)) => found,
+            Ok(None) => return Err(self.give_up(owner, Error::Other("refund row missing".into()))),
+            Err(e) => return Err(self.give_up(owner, e)),
+        };
+        self.call_acquirer(owner, locked_at_ms, "refund", |deadline| {
+            self.acquirer
+                .refund(&owner.op_id, &authorization, amount, deadline)
+        })?;
+        self.finish(owner, "refund")
+    }
+
+    /// The authorization and amount of the charge a capture or cancel
+    /// claimed.
+    fn claimed(&self, owner: &Owner, charge: &str, claim: Claim) -> Result<(String, i64), Reply> {
+        let consumer = owner.consumer_id;
+        match self
+            .readers
+            .read(|c| ledger::claimed_charge(c, consumer, charge, claim))
+        {
+            Ok(Some(found)) => Ok(found),
+            Ok(None) => Err(self.give_up(owner, Error::Other(format!("charge {charge} vanished")))),
+            Err(e) => Err(self.give_up(owner, e)),
+        }
+    }
+
+    /// One acquirer call between two recovery points, given the deadline
+    /// of an owner whose lock was last refreshed at `locked_at_ms`, with its
+    /// fault point; a failure, or no time left, is transient (503, key
+    /// unlocked).
+    fn call_acquirer<T>(
+        &self,
+        owner: &Owner,
+        locked_at_ms: i64,
+        kind: &str,
+        call: impl FnOnce(Instant) -> std::result::Result<T, crate::acquirer::Unavailable>,
+    ) -> Result<T, Reply> {
+        let Some(deadline) = self.acquirer_deadline(locked_at_ms) else {
+            let why = "the operation waited past its acquirer deadline before calling".into();
+            return Err(self.give_up(owner, Error::Acquirer(why)));
+        };
+        let called = call(deadline);
+        let overrun = Instant::now().saturating_duration_since(deadline);
+        if overrun > ACQUIRER_OVERRUN_TOLERANCE {
+            log::warn!(
+                "operation {}: the acquirer answered {overrun:?} past its deadline",
+                owner.op_id
+            );
+        }
+        let answer = called.map_err(|e| self.give_up(owner, Error::Acquirer(e.0)))?;
+        self.fault(FaultPoint::AfterAcquirer, kind);
+        Ok(answer)
+    }
+
+    /// Records a recovery point after an acquirer call.
+    fn record(&self, owner: &Owner, point: RecoveryPoint, kind: &str) -> Result<(), Reply> {
+        let o = owner.clone();
+        match self
+            .writer
+            .call(move |tx| idempotency::record_point(tx, &o, point, now_ms()))
+        {
+            Ok(true) => {}
+            Ok(false) => return Err(self.lost(owner)),
+            Err(e) => return Err(self.give_up(owner, e)),
+        }
+        self.fault(FaultPoint::AfterRecoveryPoint, kind);
+        Ok(())
+    }
+
+    /// Completes a key whose answer was decided before its last acquirer
+    /// call.
+    fn finish(&self, owner: &Owner, kind: &str) -> Result<Reply, Reply> {
+        let o = owner.clone();
+        match self
+            .writer
+            .call(move |tx| idempotency::finish(tx, &o, now_ms()))
+        {
+            Ok(Some(stored)) => {
+                self.fault(FaultPoint::AfterCommit, kind);
+                // A charge decided 200 after its authorization is a
+                // reference replay: it names a charge that existed.
+                let existing = kind == "charge" && stored.status == 200;
+                Ok(Reply::stored(stored, existing))
+            }
+            Ok(None) => Err(self.lost(owner)),
+            Err(e) => Err(self.give_up(owner, e)),
         }
     }
 
@@ -454,37 +753,41 @@ impl App {
         fp: &Fingerprint,
     ) -> Result<String, Reply> {
         let consumer = owner.consumer_id;
-        match self
-            .readers
-            .read(|c| ledger::precheck_charge(c, consumer, req, fp))
-        {
+        // A first owner has called nobody yet, so a final outcome of the
+        // pre-check is answered without the acquirer. An owner that took the
+        // key over cannot know that: its predecessor may have been
+        // authorised just before it stalled or died. It asks the acquirer
+        // (same key: the same authorization, or a first one), and a decline
+        // then goes through the ledger phase, which voids it.
+        let first_owner = owner.generation == 1;
+        let precheck = if first_owner {
+            self.readers
+                .read(|c| ledger::precheck_charge(c, consumer, req, fp))
+        } else {
+            Ok(None)
+        };
+        match precheck {
             Err(e) => return Err(self.give_up(owner, e)),
             Ok(Some(outcome)) => {
-                let stored = charge_response(outcome);
-                return Err(self.ledger_phase(owner.clone(), move |_, _, _| Ok(stored)));
+                let (stored, existing) = charge_response(outcome);
+                return Err(self
+                    .ledger_phase(owner, "charge", move |_, _, _| {
+                        Ok(Step::Complete(stored, existing))
+                    })
+                    .unwrap_or_else(|reply| reply));
             }
             Ok(None) => {}
         }
-        self.fault(FaultPoint::AfterReserve);
-        let Some(deadline) = self.acquirer_deadline(locked_at_ms) else {
-            let why = "the operation waited past its acquirer deadline before calling".into();
-            return Err(self.give_up(owner, Error::Acquirer(why)));
-        };
-        let called =
-            self.acquirer
-                .authorize(&owner.op_id, req.amount, req.currency.as_str(), deadline);
-        let overrun = Instant::now().saturating_duration_since(deadline);
-        if overrun > ACQUIRER_OVERRUN_TOLERANCE {
-            log::warn!(
-                "operation {}: the acquirer answered {overrun:?} past its deadline",
-                owner.op_id
-            );
-        }
-        let auth = match called {
-            Ok(auth) => auth,
-            Err(e) => return Err(self.give_up(owner, Error::Acquirer(e.0))),
-        };
-        self.fault(FaultPoint::AfterAcquirer);
+        self.fault(FaultPoint::AfterReserve, "charge");
+        let auth = self.call_acquirer(owner, locked_at_ms, "charge", |deadline| {
+            self.acquirer.authorize(
+                &owner.op_id,
+                req.amount,
+                req.currency.as_str(),
+                req.capture,
+                deadline,
+            )
+        })?;
         let o = owner.clone();
         let auth_id = auth.id.clone();
         match self
@@ -495,7 +798,7 @@ impl App {
             Ok(false) => return Err(self.lost(owner)),
             Err(e) => return Err(self.give_up(owner, e)),
         }
-        self.fault(FaultPoint::AfterRecoveryPoint);
+        self.fault(FaultPoint::AfterRecoveryPoint, "charge");
         Ok(auth.id)
     }
 
@@ -514,12 +817,12 @@ impl App {
         Some(Instant::now() + left)
     }
 
-    /// Commits `effect` and the stored answer together, if `owner` still
+    /// Commits `effect` and what it decides for the key, if `owner` still
     /// holds its key (the fencing check); answers like a later duplicate if
     /// it was taken over meanwhile.
-    fn ledger_phase<F>(&self, owner: Owner, effect: F) -> Reply
+    fn commit<F>(&self, owner: &Owner, kind: &str, effect: F) -> Result<Committed, Reply>
     where
-        F: FnOnce(&Connection, &Owner, i64) -> Result<StoredResponse> + Send + 'static,
+        F: FnOnce(&Connection, &Owner, i64) -> Result<Step> + Send + 'static,
     {
         let o = owner.clone();
         let committed = self.writer.call(move |tx| {
@@ -527,18 +830,40 @@ impl App {
                 return Ok(None);
             }
             let now = now_ms();
-            let stored = effect(tx, &o, now)?;
-            let completed = idempotency::complete(tx, &o, &stored, now)?;
-            assert!(completed, "fence checked in this transaction");
-            Ok(Some(stored))
+            Ok(Some(match effect(tx, &o, now)? {
+                Step::Complete(stored, existing) => {
+                    let completed = idempotency::complete(tx, &o, &stored, now)?;
+                    assert!(completed, "fence checked in this transaction");
+                    Committed::Completed(stored, existing)
+                }
+                Step::Decided(point, stored) => {
+                    let recorded = idempotency::record_answer(tx, &o, point, &stored, now)?;
+                    assert!(recorded, "fence checked in this transaction");
+                    Committed::Decided
+                }
+            }))
         });
         match committed {
-            Ok(Some(stored)) => {
-                self.fault(FaultPoint::AfterCommit);
-                Reply::stored(stored, false)
+            Ok(Some(committed)) => {
+                match committed {
+                    Committed::Completed(..) => self.fault(FaultPoint::AfterCommit, kind),
+                    Committed::Decided => self.fault(FaultPoint::AfterRecoveryPoint, kind),
+                }
+                Ok(committed)
             }
-            Ok(None) => self.lost(&owner),
-            Err(e) => self.give_up(&owner, e),
+            Ok(None) => Err(self.lost(owner)),
+            Err(e) => Err(self.give_up(owner, e)),
+        }
+    }
+
+    /// [`App::commit`] of an effect that completes the key.
+    fn ledger_phase<F>(&self, owner: &Owner, kind: &str, effect: F) -> Result<Reply, Reply>
+    where
+        F: FnOnce(&Connection, &Owner, i64) -> Result<Step> + Send + 'static,
+    {
+        match self.commit(owner, kind, effect)? {
+            Committed::Completed(stored, existing) => Ok(Reply::stored(stored, existing)),
+            Committed::Decided => unreachable!("a ledger phase completes its key"),
         }
     }
 
@@ -624,7 +949,7 @@ impl App {
 
     /// In-progress keys silent for longer than the in-flight timeout.
     pub fn orphans(&self, limit: usize) -> Result<Vec<i64>> {
-        let cutoff = now_ms() - self.config.inflight_timeout.as_millis() as i64;
+        let cutoff = now_ms().saturating_sub(crate::time::millis(self.config.inflight_timeout));
         self.readers
             .read(|c| idempotency::orphans(c, cutoff, limit))
     }
@@ -646,9 +971,72 @@ impl App {
         Ok(true)
     }
 
+    /// One reaper pass at a time: the guard to hold for the pass.
+    pub fn reaper_pass(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.reaping
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Voids and releases up to `limit` holds past `--authorization-ttl`,
+    /// each claimed first (a capture or cancel that claimed it earlier wins;
+    /// one that comes later is refused), then voided at the acquirer under a
+    /// key derived from the charge, then released with
+    /// `cancellation_reason: expired`. A pass interrupted anywhere (a crash,
+    /// the acquirer down) leaves the claim, and the next pass finishes it.
+    /// Returns how many it released.
+    pub fn expire_holds(&self, limit: usize) -> Result<usize> {
+        let now = now_ms();
+        let holds = self
+            .readers
+            .read(|c| ledger::expired_holds(c, now, limit))?;
+        let mut released = 0;
+        for hold in holds {
+            // One hold that cannot be expired now (the acquirer down, a busy
+            // database) waits for the next pass; the others go on.
+            match self.expire_hold(&hold) {
+                Ok(true) => released += 1,
+                Ok(false) => {}
+                Err(e) => log::warn!("reaper: cannot expire hold {}: {e}", hold.charge),
+            }
+        }
+        Ok(released)
+    }
+
+    /// Claims, voids and releases one expired hold; false if a capture or
+    /// cancel claimed it first.
+    fn expire_hold(&self, hold: &ledger::ExpiredHold) -> Result<bool> {
+        let h = hold.clone();
+        if !self
+            .writer
+            .call(move |tx| ledger::claim_expired(tx, &h, now_ms()))?
+        {
+            return Ok(false);
+        }
+        let key = format!("expire:{}", hold.charge);
+        let deadline = Instant::now() + self.config.effective_acquirer_timeout();
+        self.acquirer
+            .void(&key, &hold.authorization, deadline)
+            .map_err(|e| Error::Acquirer(e.0))?;
+        self.fault(FaultPoint::AfterAcquirer, "expiry");
+        let h = hold.clone();
+        self.writer.call(move |tx| {
+            ledger::apply_cancel(
+                tx,
+                h.consumer_id,
+                &h.charge,
+                ledger::EXPIRY_CLAIMER,
+                CancellationReason::Expired,
+                now_ms(),
+            )
+        })?;
+        self.metrics.authorizations_expired.inc();
+        Ok(true)
+    }
+
     /// Deletes one batch of completed keys past retention.
     pub fn delete_expired(&self, batch: usize) -> Result<usize> {
-        let cutoff = now_ms() - self.config.key_retention.as_millis() as i64;
+        let cutoff = now_ms().saturating_sub(crate::time::millis(self.config.key_retention));
         let n = self
             .writer
             .call(move |tx| idempotency::delete_expired(tx, cutoff, batch))?;
@@ -675,13 +1063,19 @@ fn operation_object(row: &KeyRow) -> OperationObject<'_> {
             KeyState::InProgress => "in_progress",
             KeyState::Completed => "completed",
         },
-        response: row.response.as_ref().map(|r| OperationResponse {
-            status: r.status,
-            body: String::from_utf8(r.body.clone())
-                .ok()
-                .and_then(|s| serde_json::value::RawValue::from_string(s).ok())
-                .expect("stored bodies are JSON"),
-        }),
+        // An in-progress key may hold its decided answer already; it is
+        // shown once final.
+        response: row
+            .response
+            .as_ref()
+            .filter(|_| row.state == KeyState::Completed)
+            .map(|r| OperationResponse {
+                status: r.status,
+                body: String::from_utf8(r.body.clone())
+                    .ok()
+                    .and_then(|s| serde_json::value::RawValue::from_string(s).ok())
+                    .expect("stored bodies are JSON"),
+            }),
     }
 }
 
@@ -694,22 +1088,90 @@ fn list_reply<T: Serialize>(list: std::result::Result<ListObject<T>, UnknownCurs
     }
 }
 
-/// Applies an operation that needs no acquirer (account, refund) and renders
-/// its answer.
-fn apply_local(tx: &Connection, owner: &Owner, op: &Operation, now: i64) -> Result<StoredResponse> {
+/// What the reservation transaction does with a key this request owns, so
+/// that no race can come between the two: a synchronous account is created
+/// (and its key completed); a synchronous refund is applied to the ledger
+/// (its acquirer call follows); a capture or cancel claims its charge, so
+/// that of two racing, the second is refused before any acquirer call. An
+/// orphan taken over resumes from its recovery point instead.
+fn prepare(
+    tx: &Connection,
+    mut row: KeyRow,
+    op: &Operation,
+    mode: Mode,
+    took_over: bool,
+    now: i64,
+) -> Result<Prepared> {
+    let owner = row.owner();
+    let fresh = row.recovery_point == RecoveryPoint::Reserved;
+    let done = |stored: StoredResponse, existing: bool| -> Result<Prepared> {
+        let completed = idempotency::complete(tx, &owner, &stored, now)?;
+        assert!(completed, "the key was reserved in this transaction");
+        Ok(Prepared::Done(stored, existing))
+    };
     match op {
-        Operation::Account(req) => {
-            ledger::create_account(tx, owner.consumer_id, req, now).map(account_response)
+        Operation::Account(req) if mode == Mode::Sync && fresh => {
+            let (stored, existing) =
+                account_response(ledger::create_account(tx, owner.consumer_id, req, now)?);
+            done(stored, existing)
         }
-        Operation::Refund(req) => {
-            let origin = Origin {
-                op_id: &owner.op_id,
-                key: &owner.key,
-            };
-            ledger::apply_refund(tx, owner.consumer_id, req, &origin, now).map(refund_response)
+        Operation::Refund(req) if mode == Mode::Sync && fresh => {
+            match refund_step(tx, &owner, req, now)? {
+                Step::Complete(stored, existing) => done(stored, existing),
+                Step::Decided(point, stored) => {
+                    let recorded = idempotency::record_answer(tx, &owner, point, &stored, now)?;
+                    assert!(recorded, "the key was reserved in this transaction");
+                    row.recovery_point = point;
+                    row.response = Some(stored);
+                    Ok(Prepared::Run(row))
+                }
+            }
         }
-        Operation::Charge(_) => unreachable!("charges go through the acquirer"),
+        Operation::Capture(CaptureRequest { charge, amount }) if !took_over => {
+            claim(tx, &owner, charge, Claim::Capture(*amount), now, row, done)
+        }
+        Operation::Cancel(CancelRequest { charge }) if !took_over => {
+            claim(tx, &owner, charge, Claim::Cancel, now, row, done)
+        }
+        _ => Ok(Prepared::Run(row)),
     }
+}
+
+/// Claims a held charge for a capture or cancel; an answer if it cannot be.
+fn claim(
+    tx: &Connection,
+    owner: &Owner,
+    charge: &str,
+    claim: Claim,
+    now: i64,
+    row: KeyRow,
+    done: impl FnOnce(StoredResponse, bool) -> Result<Prepared>,
+) -> Result<Prepared> {
+    let claimed = ledger::claim_charge(tx, owner.consumer_id, charge, claim, &owner.op_id, now)?;
+    let problem = match claimed {
+        ClaimOutcome::Claimed { .. } => return Ok(Prepared::Run(row)),
+        ClaimOutcome::NotFound => Problem::NotFound,
+        ClaimOutcome::InvalidState(why) => Problem::InvalidChargeState(why),
+        ClaimOutcome::ExceedsAuthorization => Problem::CaptureExceedsAuthorization,
+    };
+    done(problem_response(problem), false)
+}
+
+/// A refund's ledger effect: applied, its answer decided and its acquirer
+/// call due (`Applied`); or refused, final.
+fn refund_step(tx: &Connection, owner: &Owner, req: &RefundRequest, now: i64) -> Result<Step> {
+    let origin = Origin {
+        op_id: &owner.op_id,
+        key: &owner.key,
+    };
+    Ok(
+        match ledger::apply_refund(tx, owner.consumer_id, req, &origin, now)? {
+            RefundOutcome::Created { refund, .. } => {
+                Step::Decided(RecoveryPoint::Applied, json_response(201, &refund))
+            }
+            other => Step::Complete(refund_response(other), false),
+        },
+    )
 }
 
 fn problem_response(p: Problem) -> StoredResponse {
@@ -726,30 +1188,36 @@ fn json_response(status: u16, body: &impl Serialize) -> StoredResponse {
     }
 }
 
-fn account_response(outcome: AccountOutcome) -> StoredResponse {
+/// An account's answer, and whether it names an account that existed.
+fn account_response(outcome: AccountOutcome) -> (StoredResponse, bool) {
     match outcome {
-        AccountOutcome::Created(a) => json_response(201, &a),
-        AccountOutcome::Existing(a) => json_response(200, &a),
-        AccountOutcome::Mismatch => problem_response(Problem::ResourceMismatch),
+        AccountOutcome::Created(a) => (json_response(201, &a), false),
+        AccountOutcome::Existing(a) => (json_response(200, &a), true),
+        AccountOutcome::Mismatch => (problem_response(Problem::ResourceMismatch), false),
     }
 }
 
-fn charge_response(outcome: ChargeOutcome) -> StoredResponse {
-    match outcome {
-        ChargeOutcome::Created(c) => json_response(201, &c),
-        ChargeOutcome::ReferenceReplay(c) => json_response(200, &c),
-        ChargeOutcome::ReferenceMismatch => problem_response(Problem::ResourceMismatch),
-        ChargeOutcome::AccountNotFound => problem_response(Problem::AccountNotFound),
-        ChargeOutcome::CurrencyMismatch => problem_response(Problem::CurrencyMismatch),
-        ChargeOutcome::InsufficientFunds => problem_response(Problem::InsufficientFunds),
-        ChargeOutcome::BalanceOverflow => problem_response(Problem::BalanceOverflow),
-    }
+/// A charge's answer, and whether it names a charge that existed.
+fn charge_response(outcome: ChargeOutcome) -> (StoredResponse, bool) {
+    let problem = match outcome {
+        ChargeOutcome::Created(c) => return (json_response(201, &c), false),
+        ChargeOutcome::ReferenceReplay(c) => return (json_response(200, &c), true),
+        ChargeOutcome::ReferenceMismatch => Problem::ResourceMismatch,
+        ChargeOutcome::AccountNotFound => Problem::AccountNotFound,
+        ChargeOutcome::CurrencyMismatch => Problem::CurrencyMismatch,
+        ChargeOutcome::InsufficientFunds => Problem::InsufficientFunds,
+        ChargeOutcome::BalanceOverflow => Problem::BalanceOverflow,
+    };
+    (problem_response(problem), false)
 }
 
 fn refund_response(outcome: RefundOutcome) -> StoredResponse {
     match outcome {
-        RefundOutcome::Created(r) => json_response(201, &r),
+        RefundOutcome::Created { refund, .. } => json_response(201, &refund),
         RefundOutcome::ChargeNotFound => problem_response(Problem::NotFound),
+        RefundOutcome::NotCaptured => problem_response(Problem::InvalidChargeState(
+            "only captured money can be refunded; this charge is not captured".into(),
+        )),
         RefundOutcome::ExceedsCharge => problem_response(Problem::RefundExceedsCharge),
         RefundOutcome::InsufficientFunds => problem_response(Problem::InsufficientFunds),
         RefundOutcome::BalanceOverflow => problem_response(Problem::BalanceOverflow),

@@ -42,8 +42,10 @@ enum Command {
         #[command(subcommand)]
         command: ConsumersCommand,
     },
-    /// Check the database: integrity, foreign keys and every ledger invariant.
-    /// Exit 0 if all hold, 1 with a report if not.
+    /// Check the database: integrity, foreign keys and every ledger invariant,
+    /// and, where the built-in acquirer's file (`<db>.acquirer.sqlite`) is
+    /// beside it, the acquirer's books against the ledger's. Exit 0 if all
+    /// hold, 1 with a report if not.
     Verify,
     /// Copy the database to OUT with SQLite's online backup API, safely while
     /// `idem serve` runs, then verify the copy. Exit 0 if the copy verifies.
@@ -90,6 +92,10 @@ struct ServeArgs {
     /// How often the reaper completes orphans and deletes expired keys.
     #[arg(long, env = "IDEM_REAPER_INTERVAL", default_value = "10s", value_parser = parse_positive_duration)]
     reaper_interval: Duration,
+    /// How long an uncaptured hold (`capture: false`) lives before the reaper
+    /// voids its authorization and releases it (`cancellation_reason: expired`).
+    #[arg(long, env = "IDEM_AUTHORIZATION_TTL", default_value = "7d", value_parser = parse_authorization_ttl)]
+    authorization_ttl: Duration,
     /// Latency of the built-in simulated acquirer: how long it takes to decide a new authorization (a repeated call for the same operation answers once it is decided).
     #[arg(long, env = "IDEM_ACQUIRER_LATENCY", default_value = "0ms", value_parser = parse_duration)]
     acquirer_latency: Duration,
@@ -166,14 +172,23 @@ fn parse_addr(s: &str) -> std::result::Result<SocketAddr, String> {
         .ok_or_else(|| format!("'{s}' resolves to no address"))
 }
 
-/// `IDEM_FAULT` (tests only): where to abort, to simulate a crash.
-fn fault_from_env() -> Result<Option<FaultPoint>> {
+/// `IDEM_FAULT` (tests only): where to abort, to simulate a crash, and for
+/// which kind of operation (`KIND:POINT`).
+fn fault_from_env() -> Result<Option<(FaultPoint, Option<String>)>> {
     match std::env::var("IDEM_FAULT") {
-        Ok(fault) => FaultPoint::parse(&fault)
+        Ok(fault) => FaultPoint::parse_scoped(&fault)
             .map(Some)
             .ok_or_else(|| Error::Usage(format!("IDEM_FAULT: unknown fault point '{fault}'"))),
         Err(_) => Ok(None),
     }
+}
+
+fn parse_authorization_ttl(s: &str) -> std::result::Result<Duration, String> {
+    let d = parse_positive_duration(s)?;
+    if d > config::AUTHORIZATION_TTL_MAX {
+        return Err("must be at most 365d".into());
+    }
+    Ok(d)
 }
 
 /// Runs the command line; `Ok` carries the exit code.
@@ -208,7 +223,8 @@ pub fn run() -> Result<i32> {
         }
         Command::Verify => {
             let conn = store::open_current(&cli.db)?;
-            let report = verify::verify(&conn)?;
+            let simulator = crate::acquirer::Simulator::store_path(&cli.db);
+            let report = verify::verify_with_acquirer(&conn, &simulator)?;
             print!("{report}");
             Ok(if report.ok() { 0 } else { 1 })
         }
@@ -245,7 +261,8 @@ pub fn run() -> Result<i32> {
 fn migrate(db: &std::path::Path) -> Result<i32> {
     let mut conn = store::open_existing(db)?;
     let _lock = store::ProcessLock::acquire(db)?;
-    let done = store::migrate(&mut conn, fault_from_env()?).map_err(|e| match e {
+    let fault = fault_from_env()?.map(|(point, _)| point);
+    let done = store::migrate(&mut conn, fault).map_err(|e| match e {
         Error::Db(e) => Error::Other(format!("database {}: {e}", db.display())),
         Error::Other(why) => Error::Other(format!("database {}: {why}", db.display())),
         other => other,
@@ -294,7 +311,11 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
         header_bytes_max: args.header_bytes_max as usize,
         connections_max: args.connections_max as usize,
     };
-    config.fault = fault_from_env()?;
+    if let Some((point, operation)) = fault_from_env()? {
+        config.fault = Some(point);
+        config.fault_operation = operation;
+    }
+    config.authorization_ttl = args.authorization_ttl;
     // Signal handlers are installed before the server starts, so a signal
     // that arrives right after "listening" is never the default (fatal) one.
     let (signals, mut interrupt, mut terminate) = install_signal_handlers()?;

@@ -57,6 +57,18 @@ const _: () = assert!(OPERATION_THREADS <= OPERATION_QUEUE_LEN_MAX);
 /// Orphans one reaper pass takes over, and expired keys one delete removes:
 /// small batches keep the write lock short.
 pub const REAPER_ORPHANS_PER_PASS_MAX: usize = 64;
+/// Expired holds one reaper pass voids and releases (each an acquirer call
+/// and two short writes), so a backlog of expiries never holds a pass long.
+pub const REAPER_EXPIRIES_PER_PASS_MAX: usize = 64;
+/// How long an uncaptured hold (`capture: false`) lives before the reaper
+/// voids it: 7 days, as card networks commonly let an authorization live.
+pub const AUTHORIZATION_TTL_DEFAULT: Duration = Duration::from_secs(7 * 24 * 3600);
+/// The longest `--authorization-ttl`: a year, far past what any card network
+/// keeps an authorization, and a date every client can parse.
+pub const AUTHORIZATION_TTL_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The longest duration any flag takes (100 years): past it a value is a
+/// typo, and every duration then fits the i64 milliseconds of the database.
+pub const DURATION_MAX: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 pub const REAPER_DELETE_BATCH_LEN: usize = 500;
 /// How long a completed idempotency key is kept and replayed
 /// (`--key-retention`), unless configured: a day covers any client's retry
@@ -225,6 +237,20 @@ pub enum FaultPoint {
 }
 
 impl FaultPoint {
+    /// `POINT` or `KIND:POINT` (`capture:after_acquirer`): the point, and
+    /// the kind of operation it is limited to.
+    pub fn parse_scoped(s: &str) -> Option<(FaultPoint, Option<String>)> {
+        match s.split_once(':') {
+            None => Some((FaultPoint::parse(s)?, None)),
+            Some((kind, point)) => {
+                let kinds = ["account", "charge", "refund", "capture", "cancel", "expiry"];
+                kinds
+                    .contains(&kind)
+                    .then(|| Some((FaultPoint::parse(point)?, Some(kind.to_string()))))?
+            }
+        }
+    }
+
     pub fn parse(s: &str) -> Option<FaultPoint> {
         Some(match s {
             "after_reserve" => FaultPoint::AfterReserve,
@@ -335,6 +361,12 @@ pub struct Config {
     /// The HTTP engine's limits (timeouts, header bytes, connection cap).
     pub http: HttpLimits,
     pub fault: Option<FaultPoint>,
+    /// With `fault`: only operations of this kind (`charge`, `capture`,
+    /// `cancel`, `refund`, `account`, or the reaper's `expiry` of a hold)
+    /// reach the fault point; `None`: any.
+    pub fault_operation: Option<String>,
+    /// How long a `requires_capture` hold lives before the reaper voids it.
+    pub authorization_ttl: Duration,
     pub hooks: Hooks,
     /// Run `idem verify`'s checks before serving and refuse a database that
     /// fails them (`--skip-verify` turns this off).
@@ -356,6 +388,8 @@ impl Config {
             commit_batch_max: COMMIT_BATCH_MAX_DEFAULT,
             http: HttpLimits::default(),
             fault: None,
+            fault_operation: None,
+            authorization_ttl: AUTHORIZATION_TTL_DEFAULT,
             hooks: Hooks::default(),
             verify_on_start: true,
         }
@@ -375,6 +409,13 @@ impl Config {
     /// taken over while it waits for the acquirer, and every retry restart
     /// the call. The message names both flags.
     pub fn validate(&self) -> Result<(), String> {
+        if self.authorization_ttl.is_zero() || self.authorization_ttl > AUTHORIZATION_TTL_MAX {
+            return Err(
+                "--authorization-ttl must be longer than 0ms and at most 365d (a date every \
+                 client can parse, far past any card network's authorization)"
+                    .into(),
+            );
+        }
         let Some(timeout) = self.acquirer_timeout else {
             return Ok(());
         };
@@ -427,7 +468,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     n.checked_mul(ms_per_unit)
         .map(Duration::from_millis)
-        .ok_or_else(|| format!("'{s}' is too long"))
+        .filter(|d| *d <= DURATION_MAX)
+        .ok_or_else(|| format!("'{s}' is too long (at most 36500d)"))
 }
 
 impl fmt::Display for Synchronous {

@@ -274,7 +274,7 @@ pub fn decide(row: Option<RowView>, mode: Mode, now_ms: i64, t: Timeouts) -> Dec
     };
     let expired = row
         .completed_at_ms
-        .is_some_and(|at| now_ms - at > t.retention.as_millis() as i64);
+        .is_some_and(|at| now_ms.saturating_sub(at) > crate::time::millis(t.retention));
     if row.state == KeyState::Completed && expired {
         return Decision::Execute;
     }
@@ -283,7 +283,9 @@ pub fn decide(row: Option<RowView>, mode: Mode, now_ms: i64, t: Timeouts) -> Dec
     }
     match row.state {
         KeyState::Completed => Decision::Replay,
-        KeyState::InProgress if now_ms - row.locked_at_ms > t.inflight.as_millis() as i64 => {
+        KeyState::InProgress
+            if now_ms.saturating_sub(row.locked_at_ms) > crate::time::millis(t.inflight) =>
+        {
             Decision::TakeOver
         }
         KeyState::InProgress => match mode {
@@ -296,25 +298,45 @@ pub fn decide(row: Option<RowView>, mode: Mode, now_ms: i64, t: Timeouts) -> Dec
 // ---------------------------------------------------------------------------
 // Key rows
 
-/// Where an operation's work stands, recorded in the key row.
+/// Where an operation's work stands, recorded in the key row. Every step
+/// that leaves the database (an acquirer call) lies between two of these.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecoveryPoint {
     /// Reserved; nothing has left the database yet.
     Reserved,
-    /// The acquirer answered; its authorization is stored in the row.
+    /// The acquirer authorised; its authorization is stored in the row.
     Authorized,
+    /// The ledger declined after the authorization: the answer is decided
+    /// and stored, the authorization's void is due.
+    Declined,
+    /// The acquirer captured; the ledger phase is due.
+    Captured,
+    /// The acquirer voided; the ledger phase is due.
+    Voided,
+    /// A refund's ledger effect and answer are committed; the acquirer's
+    /// refund is due.
+    Applied,
 }
 
 impl RecoveryPoint {
-    fn as_str(self) -> &'static str {
+    /// The name stored in the key row.
+    pub fn as_str(self) -> &'static str {
         match self {
             RecoveryPoint::Reserved => "reserved",
             RecoveryPoint::Authorized => "authorized",
+            RecoveryPoint::Declined => "declined",
+            RecoveryPoint::Captured => "captured",
+            RecoveryPoint::Voided => "voided",
+            RecoveryPoint::Applied => "applied",
         }
     }
     fn parse(s: &str) -> RecoveryPoint {
         match s {
             "authorized" => RecoveryPoint::Authorized,
+            "declined" => RecoveryPoint::Declined,
+            "captured" => RecoveryPoint::Captured,
+            "voided" => RecoveryPoint::Voided,
+            "applied" => RecoveryPoint::Applied,
             _ => RecoveryPoint::Reserved,
         }
     }
@@ -340,6 +362,8 @@ pub struct KeyRow {
     pub recovery_point: RecoveryPoint,
     pub request: String,
     pub authorization: Option<String>,
+    /// The final answer; an in-progress row may hold it already when it was
+    /// decided before one last acquirer call (`Declined`, `Applied`).
     pub response: Option<StoredResponse>,
     pub completed_at_ms: Option<i64>,
 }
@@ -623,6 +647,75 @@ pub fn record_authorization(
     Ok(n == 1)
 }
 
+/// Records that an acquirer call (a capture, a void) happened: the recovery
+/// point moves on and the lock is refreshed. Returns false (and changes
+/// nothing) if `owner` was fenced off.
+pub fn record_point(
+    conn: &Connection,
+    owner: &Owner,
+    point: RecoveryPoint,
+    now_ms: i64,
+) -> Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE idempotency_keys SET recovery_point = ?3, locked_at = ?4 \
+             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        )?
+        .execute(params![
+            owner.key_id,
+            owner.generation,
+            point.as_str(),
+            now_ms
+        ])?;
+    Ok(n == 1)
+}
+
+/// Stores the answer, decided now, of an operation that has one acquirer
+/// call left before it completes (`Declined`: a void; `Applied`: a refund),
+/// and moves to `point`. The key stays in progress: a retry meanwhile gets
+/// 409, and whoever resumes makes the call and then [`finish`]es. Returns
+/// false (and changes nothing) if `owner` was fenced off.
+pub fn record_answer(
+    conn: &Connection,
+    owner: &Owner,
+    point: RecoveryPoint,
+    response: &StoredResponse,
+    now_ms: i64,
+) -> Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE idempotency_keys SET recovery_point = ?3, response_status = ?4, \
+             response_body = ?5, locked_at = ?6 \
+             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        )?
+        .execute(params![
+            owner.key_id,
+            owner.generation,
+            point.as_str(),
+            response.status,
+            response.body,
+            now_ms
+        ])?;
+    Ok(n == 1)
+}
+
+/// Completes a key whose answer was recorded earlier ([`record_answer`]), now that its last
+/// acquirer call is done; returns that answer. `None` (and no change) if
+/// `owner` was fenced off.
+pub fn finish(conn: &Connection, owner: &Owner, now_ms: i64) -> Result<Option<StoredResponse>> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE idempotency_keys SET state = 'completed', completed_at = ?3 \
+             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress' \
+             AND response_status IS NOT NULL",
+        )?
+        .execute(params![owner.key_id, owner.generation, now_ms])?;
+    if n == 0 {
+        return Ok(None);
+    }
+    Ok(load_by_id(conn, owner.key_id)?.and_then(|row| row.response))
+}
+
 /// Stores the final answer and completes the key. Returns false (and changes
 /// nothing) if `owner` was fenced off.
 pub fn complete(
@@ -682,7 +775,7 @@ pub fn take_over_orphan(
         return Ok(None);
     };
     let orphaned = row.state == KeyState::InProgress
-        && now_ms - row.locked_at_ms > inflight.as_millis() as i64;
+        && now_ms.saturating_sub(row.locked_at_ms) > crate::time::millis(inflight);
     if !orphaned {
         return Ok(None);
     }

@@ -36,6 +36,10 @@ pub struct AccountRow {
     pub metadata: String,
     pub balance: i64,
     pub created_at_ms: i64,
+    /// Sum of the holds drawing on this account.
+    pub held: i64,
+    /// Sum of what those holds may still credit to this account.
+    pub pending_credit: i64,
 }
 
 impl AccountRow {
@@ -45,10 +49,44 @@ impl AccountRow {
             object: "account",
             currency: self.currency.clone(),
             balance: self.balance,
+            held: self.held,
+            available: self.balance.saturating_sub(self.held),
             allow_negative: self.allow_negative,
             metadata: json::from_slice(self.metadata.as_bytes()).unwrap_or(Value::Null),
             created_at: rfc3339(self.created_at_ms),
         }
+    }
+
+    /// Whether `amount` may leave this account now or later (a hold): its
+    /// available balance covers it unless it may go negative, and its balance
+    /// minus every hold stays an i64. `Err` is the outcome to answer.
+    fn can_debit(&self, amount: i64) -> std::result::Result<(), Shortfall> {
+        // `held` itself must stay an i64 too: SQLite would turn an
+        // overflowing `held + amount` into a float.
+        let Some(after) = self
+            .balance
+            .checked_sub(self.held)
+            .and_then(|a| a.checked_sub(amount))
+            .filter(|_| self.held.checked_add(amount).is_some())
+        else {
+            return Err(Shortfall::Overflow);
+        };
+        if !self.allow_negative && after < 0 {
+            return Err(Shortfall::Funds);
+        }
+        Ok(())
+    }
+
+    /// Whether `amount` may be credited now or later: the balance plus every
+    /// credit a hold may still bring stays an i64, so that a capture, which
+    /// cannot be refused once the acquirer captured, never overflows.
+    fn can_credit(&self, amount: i64) -> std::result::Result<(), Shortfall> {
+        self.balance
+            .checked_add(self.pending_credit)
+            .and_then(|b| b.checked_add(amount))
+            .and(self.pending_credit.checked_add(amount))
+            .map(|_| ())
+            .ok_or(Shortfall::Overflow)
     }
 
     fn same_fields(&self, req: &AccountRequest) -> bool {
@@ -58,8 +96,16 @@ impl AccountRow {
     }
 }
 
+/// Why money cannot move: not enough available funds, or a balance would
+/// leave the range of i64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shortfall {
+    Funds,
+    Overflow,
+}
+
 const ACCOUNT_COLUMNS: &str =
-    "id, public_id, currency, allow_negative, metadata, balance, created_at";
+    "id, public_id, currency, allow_negative, metadata, balance, created_at, held, pending_credit";
 
 fn row_to_account(r: &Row<'_>) -> rusqlite::Result<AccountRow> {
     Ok(AccountRow {
@@ -70,6 +116,8 @@ fn row_to_account(r: &Row<'_>) -> rusqlite::Result<AccountRow> {
         metadata: r.get(4)?,
         balance: r.get(5)?,
         created_at_ms: r.get(6)?,
+        held: r.get(7)?,
+        pending_credit: r.get(8)?,
     })
 }
 
@@ -118,6 +166,8 @@ pub fn create_account(
         metadata: req.metadata.to_string(),
         balance: 0,
         created_at_ms: now_ms,
+        held: 0,
+        pending_credit: 0,
     };
     tx.prepare_cached(
         "INSERT INTO accounts (consumer_id, public_id, currency, allow_negative, metadata, \
@@ -139,6 +189,7 @@ pub fn create_account(
 
 #[derive(Debug)]
 pub enum ChargeOutcome {
+    /// Created: `succeeded` (captured at once) or `requires_capture` (held).
     Created(ChargeObject),
     /// A charge with this `reference` and the same body exists: answer it.
     ReferenceReplay(ChargeObject),
@@ -153,34 +204,74 @@ pub enum ChargeOutcome {
 
 const CHARGE_SELECT: &str = "SELECT c.id, c.public_id, c.amount, c.currency, s.public_id, \
      d.public_id, c.amount_refunded, c.reference, c.description, c.metadata, c.created_at, \
-     c.fingerprint FROM charges c JOIN accounts s ON s.id = c.source_id \
+     c.fingerprint, c.status, c.amount_captured, c.amount_disputed, c.authorization_id, \
+     c.expires_at, c.canceled_at, c.cancellation_reason, c.claimed_by, c.source_id, \
+     c.destination_id FROM charges c JOIN accounts s ON s.id = c.source_id \
      JOIN accounts d ON d.id = c.destination_id";
 
 struct ChargeRow {
     id: i64,
     object: ChargeObject,
     fingerprint: Vec<u8>,
+    claimed_by: Option<String>,
+    expires_at_ms: Option<i64>,
+    source_id: i64,
+    destination_id: i64,
+}
+
+/// The statuses of the contract, as the static strings objects carry.
+fn status_str(s: &str) -> &'static str {
+    match s {
+        "requires_capture" => "requires_capture",
+        "canceled" => "canceled",
+        _ => "succeeded",
+    }
+}
+
+fn reason_str(s: Option<String>) -> Option<&'static str> {
+    s.map(|r| match r.as_str() {
+        "expired" => "expired",
+        _ => "requested",
+    })
 }
 
 fn row_to_charge(r: &Row<'_>) -> rusqlite::Result<ChargeRow> {
     let metadata: String = r.get(9)?;
+    let status = status_str(&r.get::<_, String>(12)?);
+    let amount: i64 = r.get(2)?;
+    let expires_at_ms: Option<i64> = r.get(16)?;
     Ok(ChargeRow {
         id: r.get(0)?,
         object: ChargeObject {
             id: r.get(1)?,
             object: "charge",
-            amount: r.get(2)?,
+            amount,
             currency: r.get(3)?,
             source: r.get(4)?,
             destination: r.get(5)?,
-            status: "succeeded",
+            status,
+            amount_captured: r.get(13)?,
+            amount_capturable: if status == "requires_capture" {
+                amount
+            } else {
+                0
+            },
             amount_refunded: r.get(6)?,
+            amount_disputed: r.get(14)?,
+            authorization: r.get(15)?,
             reference: r.get(7)?,
             description: r.get(8)?,
             metadata: json::from_slice(metadata.as_bytes()).unwrap_or(Value::Null),
+            expires_at: expires_at_ms.map(rfc3339),
+            canceled_at: r.get::<_, Option<i64>>(17)?.map(rfc3339),
+            cancellation_reason: reason_str(r.get(18)?),
             created_at: rfc3339(r.get(10)?),
         },
         fingerprint: r.get(11)?,
+        claimed_by: r.get(19)?,
+        expires_at_ms,
+        source_id: r.get(20)?,
+        destination_id: r.get(21)?,
     })
 }
 
@@ -215,6 +306,7 @@ pub fn get_charge(
 /// The rules a charge must pass, checked before the acquirer is called (on a
 /// reader) and again inside the ledger transaction. `Ok(None)` means go
 /// ahead; otherwise the final outcome, and the accounts when it is a go.
+/// A hold is checked like a charge: the money may leave when it is captured.
 fn check_charge(
     conn: &Connection,
     consumer_id: i64,
@@ -239,16 +331,14 @@ fn check_charge(
     if source.currency != currency || destination.currency != currency {
         return Ok(Err(ChargeOutcome::CurrencyMismatch));
     }
-    let Some(new_source) = source.balance.checked_sub(req.amount) else {
-        return Ok(Err(ChargeOutcome::BalanceOverflow));
-    };
-    if !source.allow_negative && new_source < 0 {
-        return Ok(Err(ChargeOutcome::InsufficientFunds));
+    let checked = source
+        .can_debit(req.amount)
+        .and_then(|()| destination.can_credit(req.amount));
+    match checked {
+        Ok(()) => Ok(Ok((source, destination))),
+        Err(Shortfall::Funds) => Ok(Err(ChargeOutcome::InsufficientFunds)),
+        Err(Shortfall::Overflow) => Ok(Err(ChargeOutcome::BalanceOverflow)),
     }
-    if destination.balance.checked_add(req.amount).is_none() {
-        return Ok(Err(ChargeOutcome::BalanceOverflow));
-    }
-    Ok(Ok((source, destination)))
 }
 
 /// The outcome a charge would have if it ran now, when that outcome is final
@@ -263,8 +353,10 @@ pub fn precheck_charge(
     Ok(check_charge(conn, consumer_id, req, fp)?.err())
 }
 
-/// The ledger phase of a charge: create it, write its two entries and update
-/// both balances, after checking every rule again.
+/// The ledger phase of a charge, after checking every rule again: captured
+/// at once (two entries, both balances), or, with `capture: false`, a hold
+/// on the source and room reserved on the destination until `expires_at_ms`.
+#[allow(clippy::too_many_arguments)]
 pub fn apply_charge(
     tx: &Connection,
     consumer_id: i64,
@@ -273,6 +365,7 @@ pub fn apply_charge(
     origin: &Origin<'_>,
     authorization_id: &str,
     now_ms: i64,
+    expires_at_ms: i64,
 ) -> Result<ChargeOutcome> {
     let (source, destination) = match check_charge(tx, consumer_id, req, fp)? {
         Ok(accounts) => accounts,
@@ -280,10 +373,16 @@ pub fn apply_charge(
     };
     let public_id = ids::new_id(ids::CHARGE);
     let metadata = req.metadata.to_string();
+    let (status, captured, expires_at) = if req.capture {
+        ("succeeded", req.amount, None)
+    } else {
+        ("requires_capture", 0, Some(expires_at_ms))
+    };
     tx.prepare_cached(
         "INSERT INTO charges (consumer_id, public_id, amount, currency, source_id, destination_id, \
          reference, description, metadata, fingerprint, op_id, idempotency_key, authorization_id, \
-         created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+         created_at, status, amount_captured, expires_at) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
     )?
     .execute(params![
         consumer_id,
@@ -300,10 +399,17 @@ pub fn apply_charge(
         origin.key,
         authorization_id,
         now_ms,
+        status,
+        captured,
+        expires_at,
     ])?;
     let charge_id = tx.last_insert_rowid();
-    post_entry(tx, source.id, -req.amount, charge_id, None, now_ms)?;
-    post_entry(tx, destination.id, req.amount, charge_id, None, now_ms)?;
+    if req.capture {
+        post_entry(tx, source.id, -req.amount, charge_id, None, now_ms)?;
+        post_entry(tx, destination.id, req.amount, charge_id, None, now_ms)?;
+    } else {
+        hold(tx, source.id, destination.id, req.amount)?;
+    }
     Ok(ChargeOutcome::Created(ChargeObject {
         id: public_id,
         object: "charge",
@@ -311,13 +417,259 @@ pub fn apply_charge(
         currency: req.currency.as_str().to_string(),
         source: source.public_id,
         destination: destination.public_id,
-        status: "succeeded",
+        status,
+        amount_captured: captured,
+        amount_capturable: req.amount - captured,
         amount_refunded: 0,
+        amount_disputed: 0,
+        authorization: authorization_id.to_string(),
         reference: req.reference.clone(),
         description: req.description.clone(),
         metadata: req.metadata.clone(),
+        expires_at: expires_at.map(rfc3339),
+        canceled_at: None,
+        cancellation_reason: None,
         created_at: rfc3339(now_ms),
     }))
+}
+
+/// Places (positive `amount`) or releases (negative) a hold: the source's
+/// `held` and the destination's `pending_credit` move together.
+fn hold(tx: &Connection, source_id: i64, destination_id: i64, amount: i64) -> Result<()> {
+    tx.prepare_cached("UPDATE accounts SET held = held + ?2 WHERE id = ?1")?
+        .execute(params![source_id, amount])?;
+    tx.prepare_cached("UPDATE accounts SET pending_credit = pending_credit + ?2 WHERE id = ?1")?
+        .execute(params![destination_id, amount])?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Captures, cancels and expiry of holds
+
+/// What a capture or a cancel asks of a held charge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Capture this much (`None`: all of it).
+    Capture(Option<i64>),
+    Cancel,
+}
+
+/// The outcome of claiming a held charge for a capture or a cancel.
+#[derive(Debug)]
+pub enum ClaimOutcome {
+    /// The charge is this operation's to capture or cancel: nobody else may.
+    Claimed {
+        /// The acquirer's authorization to capture or void.
+        authorization: String,
+        /// The amount to capture (for a cancel, the amount released).
+        amount: i64,
+    },
+    NotFound,
+    /// Not `requires_capture`, already claimed by another capture or cancel,
+    /// or (for a capture) past its expiry: 409 `invalid-charge-state`.
+    InvalidState(String),
+    /// More than the charge's `amount_capturable`: 422.
+    ExceedsAuthorization,
+}
+
+/// Claims the held charge `charge` for the operation `claimer`, inside the
+/// transaction that reserves its key: of a capture and a cancel that race,
+/// the first to reserve wins and the other is told 409 before it calls the
+/// acquirer.
+pub fn claim_charge(
+    tx: &Connection,
+    consumer_id: i64,
+    charge: &str,
+    claim: Claim,
+    claimer: &str,
+    now_ms: i64,
+) -> Result<ClaimOutcome> {
+    let Some(row) = find_charge(tx, consumer_id, charge)? else {
+        return Ok(ClaimOutcome::NotFound);
+    };
+    if row.object.status != "requires_capture" {
+        return Ok(ClaimOutcome::InvalidState(format!(
+            "the charge is {}; only a requires_capture charge can be captured or canceled",
+            row.object.status
+        )));
+    }
+    match row.claimed_by.as_deref() {
+        None => {}
+        Some(EXPIRY_CLAIMER) => {
+            return Ok(ClaimOutcome::InvalidState(
+                "the hold expired and is being released".into(),
+            ))
+        }
+        Some(_) => {
+            return Ok(ClaimOutcome::InvalidState(
+                "another capture or cancel of this charge is in progress".into(),
+            ))
+        }
+    }
+    let amount = match claim {
+        Claim::Capture(amount) => {
+            if row.expires_at_ms.is_some_and(|at| now_ms >= at) {
+                return Ok(ClaimOutcome::InvalidState(
+                    "the authorization expired; it can no longer be captured".into(),
+                ));
+            }
+            let amount = amount.unwrap_or(row.object.amount);
+            if amount > row.object.amount_capturable {
+                return Ok(ClaimOutcome::ExceedsAuthorization);
+            }
+            amount
+        }
+        Claim::Cancel => row.object.amount,
+    };
+    tx.prepare_cached("UPDATE charges SET claimed_by = ?2 WHERE id = ?1")?
+        .execute(params![row.id, claimer])?;
+    Ok(ClaimOutcome::Claimed {
+        authorization: row.object.authorization,
+        amount,
+    })
+}
+
+/// The authorization and the amount to capture of the charge `claimer`
+/// claimed (for an owner that resumes a capture or a cancel).
+pub fn claimed_charge(
+    conn: &Connection,
+    consumer_id: i64,
+    charge: &str,
+    claim: Claim,
+) -> Result<Option<(String, i64)>> {
+    Ok(find_charge(conn, consumer_id, charge)?.map(|row| {
+        let amount = match claim {
+            Claim::Capture(amount) => amount.unwrap_or(row.object.amount),
+            Claim::Cancel => row.object.amount,
+        };
+        (row.object.authorization, amount)
+    }))
+}
+
+/// A claimed charge that is not the caller's (a bug, or a database edited by
+/// hand): its ledger phase refuses to run.
+fn not_claimed(charge: &str, claimer: &str) -> crate::error::Error {
+    crate::error::Error::Other(format!(
+        "charge {charge} is not held and claimed by {claimer}"
+    ))
+}
+
+/// The ledger phase of a capture the acquirer has made: entries for
+/// `amount`, the whole hold released (one capture per authorization; the
+/// rest is released), `succeeded`. The hold guarantees the funds and the
+/// room, so this cannot be refused.
+pub fn apply_capture(
+    tx: &Connection,
+    consumer_id: i64,
+    charge: &str,
+    claimer: &str,
+    amount: i64,
+    now_ms: i64,
+) -> Result<ChargeObject> {
+    let row = find_charge(tx, consumer_id, charge)?
+        .filter(|r| {
+            r.object.status == "requires_capture" && r.claimed_by.as_deref() == Some(claimer)
+        })
+        .ok_or_else(|| not_claimed(charge, claimer))?;
+    hold(tx, row.source_id, row.destination_id, -row.object.amount)?;
+    post_entry(tx, row.source_id, -amount, row.id, None, now_ms)?;
+    post_entry(tx, row.destination_id, amount, row.id, None, now_ms)?;
+    tx.prepare_cached(
+        "UPDATE charges SET status = 'succeeded', amount_captured = ?2, expires_at = NULL, \
+         claimed_by = NULL WHERE id = ?1",
+    )?
+    .execute(params![row.id, amount])?;
+    Ok(find_charge(tx, consumer_id, charge)?
+        .expect("the charge was just updated")
+        .object)
+}
+
+/// Why a hold was released without a capture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancellationReason {
+    /// `POST /v1/charges/{id}/cancel`.
+    Requested,
+    /// The reaper, after `--authorization-ttl`.
+    Expired,
+}
+
+/// The ledger phase of a cancel (or an expiry) whose authorization the
+/// acquirer has voided: the hold released, `canceled`.
+pub fn apply_cancel(
+    tx: &Connection,
+    consumer_id: i64,
+    charge: &str,
+    claimer: &str,
+    reason: CancellationReason,
+    now_ms: i64,
+) -> Result<ChargeObject> {
+    let row = find_charge(tx, consumer_id, charge)?
+        .filter(|r| {
+            r.object.status == "requires_capture" && r.claimed_by.as_deref() == Some(claimer)
+        })
+        .ok_or_else(|| not_claimed(charge, claimer))?;
+    hold(tx, row.source_id, row.destination_id, -row.object.amount)?;
+    let reason = match reason {
+        CancellationReason::Requested => "requested",
+        CancellationReason::Expired => "expired",
+    };
+    tx.prepare_cached(
+        "UPDATE charges SET status = 'canceled', canceled_at = ?2, cancellation_reason = ?3, \
+         expires_at = NULL, claimed_by = NULL WHERE id = ?1",
+    )?
+    .execute(params![row.id, now_ms, reason])?;
+    Ok(find_charge(tx, consumer_id, charge)?
+        .expect("the charge was just updated")
+        .object)
+}
+
+/// Who claims a hold when the reaper expires it.
+pub const EXPIRY_CLAIMER: &str = "expiry";
+
+/// A hold past its expiry that no capture or cancel has claimed (or that an
+/// earlier reaper pass claimed and did not finish).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpiredHold {
+    pub consumer_id: i64,
+    pub charge: String,
+    pub authorization: String,
+}
+
+/// Up to `limit` holds whose expiry is at or before `now_ms`, oldest first.
+pub fn expired_holds(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<ExpiredHold>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT consumer_id, public_id, authorization_id FROM charges \
+         WHERE status = 'requires_capture' AND expires_at <= ?1 \
+         AND (claimed_by IS NULL OR claimed_by = ?2) ORDER BY expires_at LIMIT ?3",
+    )?;
+    let holds = stmt
+        .query_map(params![now_ms, EXPIRY_CLAIMER, limit as i64], |r| {
+            Ok(ExpiredHold {
+                consumer_id: r.get(0)?,
+                charge: r.get(1)?,
+                authorization: r.get(2)?,
+            })
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(holds)
+}
+
+/// Claims an expired hold for the reaper; false if a capture or cancel
+/// claimed it first, or it is no longer held.
+pub fn claim_expired(tx: &Connection, hold: &ExpiredHold, now_ms: i64) -> Result<bool> {
+    let n = tx
+        .prepare_cached(
+            "UPDATE charges SET claimed_by = ?3 WHERE consumer_id = ?1 AND public_id = ?2 \
+             AND status = 'requires_capture' AND expires_at <= ?4 \
+             AND (claimed_by IS NULL OR claimed_by = ?3)",
+        )?
+        .execute(params![
+            hold.consumer_id,
+            hold.charge,
+            EXPIRY_CLAIMER,
+            now_ms
+        ])?;
+    Ok(n == 1)
 }
 
 /// Writes one entry and moves the account's balance by `amount`. The caller
@@ -354,8 +706,15 @@ fn post_entry(
 
 #[derive(Debug)]
 pub enum RefundOutcome {
-    Created(RefundObject),
+    /// Applied to the ledger; the acquirer's refund of `authorization` is
+    /// due.
+    Created {
+        refund: RefundObject,
+        authorization: String,
+    },
     ChargeNotFound,
+    /// The charge is not captured (`requires_capture` or `canceled`): 409.
+    NotCaptured,
     /// More than what is left to refund, or nothing left.
     ExceedsCharge,
     /// The destination would go below zero without `allow_negative`.
@@ -373,7 +732,13 @@ pub fn apply_refund(
     let Some(charge) = find_charge(tx, consumer_id, &req.charge)? else {
         return Ok(RefundOutcome::ChargeNotFound);
     };
-    let left = charge.object.amount - charge.object.amount_refunded;
+    if charge.object.status != "succeeded" {
+        return Ok(RefundOutcome::NotCaptured);
+    }
+    // Only captured money can go back, less what went back already.
+    let left = charge.object.amount_captured
+        - charge.object.amount_refunded
+        - charge.object.amount_disputed;
     let amount = req.amount.unwrap_or(left);
     if amount <= 0 || amount > left {
         return Ok(RefundOutcome::ExceedsCharge);
@@ -381,14 +746,13 @@ pub fn apply_refund(
     let source = find_account(tx, consumer_id, &charge.object.source)?.expect("charge source");
     let destination =
         find_account(tx, consumer_id, &charge.object.destination)?.expect("charge destination");
-    let Some(new_destination) = destination.balance.checked_sub(amount) else {
-        return Ok(RefundOutcome::BalanceOverflow);
-    };
-    if !destination.allow_negative && new_destination < 0 {
-        return Ok(RefundOutcome::InsufficientFunds);
-    }
-    if source.balance.checked_add(amount).is_none() {
-        return Ok(RefundOutcome::BalanceOverflow);
+    match destination
+        .can_debit(amount)
+        .and_then(|()| source.can_credit(amount))
+    {
+        Ok(()) => {}
+        Err(Shortfall::Funds) => return Ok(RefundOutcome::InsufficientFunds),
+        Err(Shortfall::Overflow) => return Ok(RefundOutcome::BalanceOverflow),
     }
     let public_id = ids::new_id(ids::REFUND);
     tx.prepare_cached(
@@ -416,13 +780,27 @@ pub fn apply_refund(
         now_ms,
     )?;
     post_entry(tx, source.id, amount, charge.id, Some(refund_id), now_ms)?;
-    Ok(RefundOutcome::Created(RefundObject {
-        id: public_id,
-        object: "refund",
-        charge: charge.object.id,
-        amount,
-        created_at: rfc3339(now_ms),
-    }))
+    Ok(RefundOutcome::Created {
+        refund: RefundObject {
+            id: public_id,
+            object: "refund",
+            charge: charge.object.id,
+            amount,
+            created_at: rfc3339(now_ms),
+        },
+        authorization: charge.object.authorization,
+    })
+}
+
+/// The charge's authorization and the amount of the refund that the
+/// operation `op_id` applied (for an owner that resumes its acquirer call).
+pub fn applied_refund(conn: &Connection, op_id: &str) -> Result<Option<(String, i64)>> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT c.authorization_id, r.amount FROM refunds r              JOIN charges c ON c.id = r.charge_id WHERE r.op_id = ?1",
+        )?
+        .query_row([op_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?)
 }
 
 // ---------------------------------------------------------------------------
@@ -510,4 +888,66 @@ pub fn list_entries(
             })
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn account(balance: i64, held: i64, pending_credit: i64, allow_negative: bool) -> AccountRow {
+        AccountRow {
+            id: 1,
+            public_id: "a".into(),
+            currency: "BRL".into(),
+            allow_negative,
+            metadata: "{}".into(),
+            balance,
+            created_at_ms: 0,
+            held,
+            pending_credit,
+        }
+    }
+
+    const MAX: i64 = crate::config::AMOUNT_MINOR_MAX;
+
+    #[test]
+    fn debits_check_available_and_every_sum_at_the_edges_of_i64() {
+        // Available funds, not the balance.
+        assert_eq!(account(100, 60, 0, false).can_debit(40), Ok(()));
+        assert_eq!(
+            account(100, 60, 0, false).can_debit(41),
+            Err(Shortfall::Funds)
+        );
+        // A source that may go negative: balance - held - amount must fit.
+        assert_eq!(account(i64::MIN + MAX, 0, 0, true).can_debit(MAX), Ok(()));
+        assert_eq!(
+            account(i64::MIN + MAX, 1, 0, true).can_debit(MAX),
+            Err(Shortfall::Overflow)
+        );
+        // And `held` itself: a positive balance does not let holds push it
+        // past i64::MAX (SQLite would store a float).
+        assert_eq!(
+            account(MAX, i64::MAX - MAX + 1, 0, true).can_debit(MAX),
+            Err(Shortfall::Overflow)
+        );
+        assert_eq!(account(MAX, i64::MAX - MAX, 0, true).can_debit(MAX), Ok(()));
+    }
+
+    #[test]
+    fn credits_leave_room_for_every_pending_capture() {
+        assert_eq!(account(i64::MAX - MAX, 0, 0, false).can_credit(MAX), Ok(()));
+        assert_eq!(
+            account(i64::MAX - MAX, 1, 1, false).can_credit(MAX),
+            Err(Shortfall::Overflow)
+        );
+        // A negative balance does not let pending_credit itself overflow.
+        assert_eq!(
+            account(-MAX, 0, i64::MAX - MAX + 1, true).can_credit(MAX),
+            Err(Shortfall::Overflow)
+        );
+        assert_eq!(
+            account(-MAX, 0, i64::MAX - MAX, true).can_credit(MAX),
+            Ok(())
+        );
+    }
 }

@@ -83,6 +83,8 @@ pub struct Metrics {
     pub conflicts_reused: Counter,
     pub orphans_taken_over: Counter,
     pub keys_reaped: Counter,
+    /// Holds the reaper voided and released after `--authorization-ttl`.
+    pub authorizations_expired: Counter,
     pub commit_batch_size: Histogram,
     pub commit_duration_seconds: Histogram,
 }
@@ -98,6 +100,7 @@ impl Default for Metrics {
             conflicts_reused: Counter::default(),
             orphans_taken_over: Counter::default(),
             keys_reaped: Counter::default(),
+            authorizations_expired: Counter::default(),
             commit_batch_size: Histogram::new(BATCH_BUCKETS),
             commit_duration_seconds: Histogram::new(SECONDS_BUCKETS),
         }
@@ -166,6 +169,12 @@ impl Metrics {
                 "Completed keys deleted after retention.",
                 "",
                 &self.keys_reaped,
+            ),
+            (
+                "idem_authorizations_expired_total",
+                "Uncaptured holds voided and released after --authorization-ttl.",
+                "",
+                &self.authorizations_expired,
             ),
         ];
         for (name, help, labels, counter) in counters {

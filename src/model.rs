@@ -227,6 +227,14 @@ pub struct ChargeRequest {
     pub description: Option<String>,
     #[serde(deserialize_with = "json::deserialize")]
     pub metadata: Value,
+    /// `false`: authorise and hold (`requires_capture`) instead of moving
+    /// the money at once. Requests kept by a v1 key row lack it: `true`.
+    #[serde(default = "yes")]
+    pub capture: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl ChargeRequest {
@@ -241,8 +249,15 @@ impl ChargeRequest {
                 "reference",
                 "description",
                 "metadata",
+                "capture",
             ],
         )?;
+        let capture = match field(map, "capture") {
+            None => true,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| FieldError::new("capture", "must be a boolean"))?,
+        };
         let req = ChargeRequest {
             amount: required(amount(map, "amount")?, "amount")?,
             currency: currency(map)?,
@@ -251,6 +266,7 @@ impl ChargeRequest {
             reference: string(map, "reference", REFERENCE_LEN_MAX)?.map(str::to_string),
             description: string(map, "description", DESCRIPTION_LEN_MAX)?.map(str::to_string),
             metadata: metadata(map)?,
+            capture,
         };
         if req.reference.as_deref() == Some("") {
             return Err(FieldError::new("reference", "must not be empty"));
@@ -279,6 +295,44 @@ impl RefundRequest {
     }
 }
 
+/// `POST /v1/charges/{id}/capture`: capture `amount` (default: all) of a
+/// `requires_capture` charge and release the rest of its hold.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CaptureRequest {
+    pub charge: String,
+    pub amount: Option<i64>,
+}
+
+impl CaptureRequest {
+    /// Validates a capture body (`{"amount"?: int}`; empty is `{}`) for the
+    /// charge named in the path.
+    pub fn from_json(charge: &str, v: &Value) -> Result<CaptureRequest, FieldError> {
+        let map = fields(v, &["amount"])?;
+        Ok(CaptureRequest {
+            charge: charge.to_string(),
+            amount: amount(map, "amount")?,
+        })
+    }
+}
+
+/// `POST /v1/charges/{id}/cancel`: void the authorization and release the
+/// hold. The body is empty or `{}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CancelRequest {
+    pub charge: String,
+}
+
+impl CancelRequest {
+    /// Validates a cancel body (empty, or `{}`: any member is unknown) for
+    /// the charge named in the path.
+    pub fn from_json(charge: &str, v: &Value) -> Result<CancelRequest, FieldError> {
+        fields(v, &[])?;
+        Ok(CancelRequest {
+            charge: charge.to_string(),
+        })
+    }
+}
+
 /// The validated request kept in a key row, so that the reaper (or whoever
 /// takes the key over) can finish the work without the client.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -287,6 +341,8 @@ pub enum Operation {
     Account(AccountRequest),
     Charge(ChargeRequest),
     Refund(RefundRequest),
+    Capture(CaptureRequest),
+    Cancel(CancelRequest),
 }
 
 // ---------------------------------------------------------------------------
@@ -298,6 +354,10 @@ pub struct AccountObject {
     pub object: &'static str,
     pub currency: String,
     pub balance: i64,
+    /// The sum of the holds on this account (`requires_capture` charges).
+    pub held: i64,
+    /// `balance - held`: what a new charge or hold may draw on.
+    pub available: i64,
     pub allow_negative: bool,
     pub metadata: Value,
     pub created_at: String,
@@ -311,11 +371,24 @@ pub struct ChargeObject {
     pub currency: String,
     pub source: String,
     pub destination: String,
+    /// `succeeded`, `requires_capture` or `canceled`.
     pub status: &'static str,
+    pub amount_captured: i64,
+    /// What a capture may still take: `amount` while `requires_capture`,
+    /// else 0.
+    pub amount_capturable: i64,
     pub amount_refunded: i64,
+    pub amount_disputed: i64,
+    /// The acquirer's authorization id.
+    pub authorization: String,
     pub reference: Option<String>,
     pub description: Option<String>,
     pub metadata: Value,
+    /// When an uncaptured hold expires (`requires_capture` only).
+    pub expires_at: Option<String>,
+    pub canceled_at: Option<String>,
+    /// `requested` or `expired` (`canceled` only).
+    pub cancellation_reason: Option<&'static str>,
     pub created_at: String,
 }
 
@@ -428,6 +501,7 @@ mod roundtrip_tests {
                 reference: None,
                 description: None,
                 metadata: metadata.clone(),
+                capture: false,
             }),
             Operation::Account(AccountRequest {
                 id: Some("a".into()),

@@ -1,8 +1,9 @@
 //! The reaper thread: every `--reaper-interval` it drives orphans (keys whose
 //! owner has been silent past `--inflight-timeout`) to completion from their
-//! recovery point, so the ledger converges even if no client retries, and
-//! deletes completed keys past `--key-retention` in small batches, each its
-//! own short write transaction.
+//! recovery point, so the ledger converges even if no client retries; voids
+//! and releases holds past `--authorization-ttl`; and deletes completed keys
+//! past `--key-retention` in small batches, each its own short write
+//! transaction.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -10,7 +11,9 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 use crate::app::App;
-use crate::config::{REAPER_DELETE_BATCH_LEN, REAPER_ORPHANS_PER_PASS_MAX};
+use crate::config::{
+    REAPER_DELETE_BATCH_LEN, REAPER_EXPIRIES_PER_PASS_MAX, REAPER_ORPHANS_PER_PASS_MAX,
+};
 
 pub struct Reaper {
     stop: Sender<()>,
@@ -53,8 +56,10 @@ fn run(app: &App, stopped: &Receiver<()>) {
     }
 }
 
-/// One pass: orphans first (they hold money in flight), then retention.
+/// One pass: orphans first (they hold money in flight), then expired holds,
+/// then retention.
 pub fn pass(app: &App) {
+    let _one_at_a_time = app.reaper_pass();
     match app.orphans(REAPER_ORPHANS_PER_PASS_MAX) {
         Ok(ids) => {
             for id in ids {
@@ -64,6 +69,9 @@ pub fn pass(app: &App) {
             }
         }
         Err(e) => log::warn!("reaper: cannot list orphans: {e}"),
+    }
+    if let Err(e) = app.expire_holds(REAPER_EXPIRIES_PER_PASS_MAX) {
+        log::warn!("reaper: cannot expire holds: {e}");
     }
     loop {
         match app.delete_expired(REAPER_DELETE_BATCH_LEN) {

@@ -6,7 +6,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
+        .map_or(0, millis)
+}
+
+/// A duration in whole milliseconds, saturating at `i64::MAX` (about 292
+/// million years) instead of wrapping negative: a huge timeout or retention
+/// means "never", not "already past".
+pub fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// `2026-11-30T10:01:12.123Z`.

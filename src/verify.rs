@@ -10,6 +10,7 @@
 //! 2^64 rows).
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 
 use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode};
@@ -78,16 +79,43 @@ const CHECKS: &[(&str, Check)] = &[
         Check::Sums(balances_equal_their_entries),
     ),
     (
-        "3. each charge has one debit of its source and one credit of its destination",
+        "3/7. each captured charge has one debit of its source and one credit of its \
+         destination, of amount_captured",
         Check::Query(
-            "SELECT 'charge ' || c.public_id || ' has wrong entries' FROM charges c WHERE \
+            "SELECT 'charge ' || c.public_id || ' has wrong entries' FROM charges c \
+             WHERE c.status = 'succeeded' AND (\
              (SELECT count(*) FROM entries e WHERE e.charge_id = c.id AND e.refund_id IS NULL) \
              <> 2 \
              OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id \
-               AND e.refund_id IS NULL AND e.account_id = c.source_id AND e.amount = -c.amount) \
+               AND e.refund_id IS NULL AND e.account_id = c.source_id \
+               AND e.amount = -c.amount_captured) \
              OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id \
                AND e.refund_id IS NULL AND e.account_id = c.destination_id \
-               AND e.amount = c.amount)",
+               AND e.amount = c.amount_captured))",
+        ),
+    ),
+    (
+        "7. a requires_capture or canceled charge has no entries and no refunds",
+        Check::Query(
+            "SELECT 'charge ' || c.public_id || ' is ' || c.status || ' but has ' || \
+             ((SELECT count(*) FROM entries e WHERE e.charge_id = c.id) + \
+              (SELECT count(*) FROM refunds r WHERE r.charge_id = c.id)) || \
+             ' entries or refunds' FROM charges c WHERE c.status <> 'succeeded' \
+             AND (EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id) \
+               OR EXISTS (SELECT 1 FROM refunds r WHERE r.charge_id = c.id))",
+        ),
+    ),
+    (
+        "7. amount_refunded + amount_disputed <= amount_captured <= amount, \
+         and only a captured charge has amount_captured",
+        Check::Query(
+            "SELECT 'charge ' || public_id || ' (' || status || ') amount ' || amount || \
+             ', captured ' || amount_captured || ', refunded ' || amount_refunded || \
+             ', disputed ' || amount_disputed FROM charges WHERE \
+             amount_refunded < 0 OR amount_disputed < 0 OR amount_captured < 0 \
+             OR amount_refunded + amount_disputed > amount_captured \
+             OR amount_captured > amount \
+             OR (status = 'succeeded') <> (amount_captured > 0)",
         ),
     ),
     (
@@ -133,7 +161,7 @@ const CHECKS: &[(&str, Check)] = &[
             "WITH answers AS (SELECT k.op_id, k.consumer_id, k.response_status AS status, \
                json_extract(CAST(k.response_body AS TEXT), '$.object') AS object, \
                json_extract(CAST(k.response_body AS TEXT), '$.id') AS id, \
-               json_extract(k.request, '$.reference') AS reference \
+               json_extract(k.request, '$.reference') AS reference, k.path \
              FROM idempotency_keys k WHERE k.state = 'completed' \
                AND k.response_status IN (200, 201)) \
              SELECT 'key ' || a.op_id || ' answered ' || a.status || ' with ' || a.id || \
@@ -144,9 +172,15 @@ const CHECKS: &[(&str, Check)] = &[
              OR (a.status = 201 AND a.object = 'refund' AND NOT EXISTS (SELECT 1 FROM refunds r \
                WHERE r.public_id = a.id AND r.consumer_id = a.consumer_id \
                AND r.op_id = a.op_id)) \
-             OR (a.status = 200 AND a.object = 'charge' AND NOT EXISTS (SELECT 1 FROM charges c \
+             OR (a.status = 200 AND a.object = 'charge' AND a.path = '/v1/charges' \
+               AND NOT EXISTS (SELECT 1 FROM charges c \
                WHERE c.public_id = a.id AND c.consumer_id = a.consumer_id \
-               AND c.reference = a.reference))",
+               AND c.reference = a.reference)) \
+             OR (a.status = 200 AND a.object = 'charge' AND a.path <> '/v1/charges' \
+               AND NOT EXISTS (SELECT 1 FROM charges c \
+               WHERE c.public_id = a.id AND c.consumer_id = a.consumer_id \
+               AND a.path = '/v1/charges/' || c.public_id || \
+                 CASE c.status WHEN 'succeeded' THEN '/capture' ELSE '/cancel' END))",
         ),
     ),
     (
@@ -171,7 +205,40 @@ const CHECKS: &[(&str, Check)] = &[
         ),
     ),
     (
-        "5. no account without allow_negative is negative",
+        "4. an answer decided before its last acquirer call is stored",
+        Check::Query(
+            "SELECT 'key ' || op_id || ' is at ' || recovery_point || ' without its answer' \
+             FROM idempotency_keys WHERE recovery_point IN ('declined', 'applied') \
+             AND response_status IS NULL",
+        ),
+    ),
+    (
+        "6. held and pending_credit are the sums of the holds on each account",
+        Check::Sums(holds_add_up),
+    ),
+    (
+        "6. no account without allow_negative has less available than 0",
+        Check::Query(
+            "SELECT 'account ' || public_id || ' has balance ' || balance || ' and holds ' \
+             || held FROM accounts WHERE allow_negative = 0 AND balance < held",
+        ),
+    ),
+    (
+        "6. a claimed hold belongs to a capture or cancel of it in progress, or to the expiry",
+        // A claim whose operation finished without releasing it would keep
+        // the hold forever: nothing else may capture or cancel it.
+        Check::Query(
+            "SELECT 'charge ' || c.public_id || ' is claimed by ' || c.claimed_by || \
+             ', which is not in progress' FROM charges c \
+             WHERE c.claimed_by IS NOT NULL AND c.claimed_by <> 'expiry' \
+             AND NOT EXISTS (SELECT 1 FROM idempotency_keys k \
+               WHERE k.op_id = c.claimed_by AND k.state = 'in_progress' \
+               AND k.path IN ('/v1/charges/' || c.public_id || '/capture', \
+                 '/v1/charges/' || c.public_id || '/cancel'))",
+        ),
+    ),
+    (
+        "5/8. no account without allow_negative is negative",
         Check::Query(
             "SELECT 'account ' || public_id || ' is at ' || balance FROM accounts \
              WHERE allow_negative = 0 AND balance < 0",
@@ -179,9 +246,105 @@ const CHECKS: &[(&str, Check)] = &[
     ),
 ];
 
+/// The acquirer's books against the ledger's, where the built-in
+/// simulator's file is there to read (`idem verify`): a name and a query
+/// over the attached `acquirer` database whose every row is a violation.
+/// The simulator forgets what is past `--key-retention`, so these hold the
+/// authorizations it still remembers against the ledger, which keeps every
+/// charge; an operation still in progress may be between its acquirer call
+/// and its ledger commit, and is not a violation.
+const ACQUIRER_CHECKS: &[(&str, &str)] = &[
+    (
+        "an authorization open at the acquirer belongs to a held charge",
+        "SELECT 'authorization ' || a.authorization_id || ' (' || a.key || \
+         ') is open at the acquirer, but ' || coalesce((SELECT 'its charge ' || \
+         c.public_id || ' is ' || c.status FROM charges c \
+         WHERE c.authorization_id = a.authorization_id), 'no charge holds it') \
+         FROM acquirer.authorizations a WHERE a.state = 'authorized' \
+         AND NOT EXISTS (SELECT 1 FROM charges c WHERE c.authorization_id = a.authorization_id \
+           AND c.status = 'requires_capture') \
+         AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.op_id = a.key \
+           AND k.state = 'in_progress')",
+    ),
+    (
+        "an authorization captured at the acquirer is a charge that captured as much, once",
+        "SELECT 'authorization ' || a.authorization_id || ' captured ' || a.captured || \
+         ' at the acquirer, but ' || coalesce((SELECT 'its charge ' || c.public_id || ' is ' || \
+         c.status || ' with ' || c.amount_captured || ' captured' FROM charges c \
+         WHERE c.authorization_id = a.authorization_id), 'no charge has it') \
+         FROM acquirer.authorizations a WHERE a.state = 'captured' \
+         AND NOT EXISTS (SELECT 1 FROM charges c WHERE c.authorization_id = a.authorization_id \
+           AND c.status = 'succeeded' AND c.amount_captured = a.captured) \
+         AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.op_id = a.key \
+           AND k.state = 'in_progress') \
+         AND NOT EXISTS (SELECT 1 FROM charges c JOIN idempotency_keys k \
+           ON k.op_id = c.claimed_by AND k.state = 'in_progress' \
+           WHERE c.authorization_id = a.authorization_id)",
+    ),
+    (
+        "an authorization voided at the acquirer moved and holds no money in the ledger",
+        "SELECT 'authorization ' || a.authorization_id || ' was voided at the acquirer, but \
+         its charge ' || c.public_id || ' is ' || c.status FROM acquirer.authorizations a \
+         JOIN charges c ON c.authorization_id = a.authorization_id \
+         WHERE a.state = 'voided' AND c.status <> 'canceled' AND c.claimed_by IS NULL",
+    ),
+    (
+        "the acquirer refunded what the ledger refunded",
+        "SELECT 'charge ' || c.public_id || ' refunded ' || c.amount_refunded || \
+         ' in the ledger, ' || a.refunded || ' at the acquirer' \
+         FROM acquirer.authorizations a JOIN charges c ON c.authorization_id = a.authorization_id \
+         WHERE a.refunded > c.amount_refunded OR (a.refunded < c.amount_refunded \
+           AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.state = 'in_progress' \
+             AND k.recovery_point = 'applied' \
+             AND k.path = '/v1/charges/' || c.public_id || '/refunds'))",
+    ),
+];
+
 /// Runs every check inside one read transaction (one consistent snapshot).
 pub fn verify(conn: &Connection) -> Result<Report> {
     verify_unless(conn, &|| false)
+}
+
+/// [`verify`], and then the acquirer's books against the ledger's: the
+/// built-in simulator's file at `simulator` (`<db>.acquirer.sqlite`), if
+/// there is one. Every live authorization belongs to a held charge (or an
+/// operation in progress), every capture is a succeeded charge that
+/// captured as much, every void a charge that holds and moved nothing, and
+/// the refunds agree.
+pub fn verify_with_acquirer(conn: &Connection, simulator: &Path) -> Result<Report> {
+    let mut report = verify(conn)?;
+    if !simulator.exists() || report.invariants_skipped_at.is_some() {
+        return Ok(report);
+    }
+    let path = simulator.to_string_lossy();
+    if let Err(e) = conn.execute("ATTACH DATABASE ?1 AS acquirer", [&*path]) {
+        report
+            .failures
+            .push(format!("acquirer agreement: cannot read {path}: {e}"));
+        return Ok(report);
+    }
+    let checked = (|| -> Result<()> {
+        conn.execute_batch("BEGIN")?;
+        for (name, sql) in ACQUIRER_CHECKS {
+            for line in query_lines(conn, sql)? {
+                report
+                    .failures
+                    .push(format!("acquirer agreement, {name}: {line}"));
+            }
+        }
+        Ok(())
+    })();
+    let _ = conn.execute_batch("COMMIT");
+    let _ = conn.execute_batch("DETACH DATABASE acquirer");
+    match checked {
+        Err(Error::Db(e)) => {
+            report
+                .failures
+                .push(format!("acquirer agreement: cannot check {path}: {e}"));
+            Ok(report)
+        }
+        other => other.map(|()| report),
+    }
 }
 
 /// [`verify`], giving up with an error once `stop()` is true. It is asked
@@ -304,7 +467,7 @@ fn balances_equal_their_entries(conn: &Connection) -> Result<Vec<String>> {
 }
 
 /// Invariant 3: a charge's `amount_refunded` is the sum of its refunds and
-/// at most its amount.
+/// at most its amount (invariant 7 bounds it by `amount_captured`).
 fn refunds_add_up(conn: &Connection) -> Result<Vec<String>> {
     let mut lines = Vec::new();
     let mut sums: HashMap<i64, i128> = HashMap::new();
@@ -343,6 +506,55 @@ fn refunds_add_up(conn: &Connection) -> Result<Vec<String>> {
             lines.push(format!(
                 "charge {public_id} amount_refunded {refunded} but refunds sum to {refunds}"
             ));
+        }
+    }
+    Ok(lines)
+}
+
+/// Invariant 6: every account's `held` is the sum of the amounts of the
+/// `requires_capture` charges it is the source of, and its `pending_credit`
+/// the sum of those it is the destination of.
+fn holds_add_up(conn: &Connection) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let mut held: HashMap<i64, i128> = HashMap::new();
+    let mut pending: HashMap<i64, i128> = HashMap::new();
+    let mut stmt = conn.prepare(
+        "SELECT source_id, destination_id, public_id, amount FROM charges \
+         WHERE status = 'requires_capture'",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        match money(row.get_ref(3)?) {
+            Ok(amount) => {
+                *held.entry(row.get(0)?).or_default() += amount;
+                *pending.entry(row.get(1)?).or_default() += amount;
+            }
+            Err(shown) => lines.push(format!(
+                "charge {} has an amount that is not an integer: {shown}",
+                row.get::<_, String>(2)?
+            )),
+        }
+    }
+    let mut stmt =
+        conn.prepare("SELECT id, public_id, held, pending_credit FROM accounts ORDER BY id")?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        let id: i64 = row.get(0)?;
+        let public_id: String = row.get(1)?;
+        let want = (
+            held.get(&id).copied().unwrap_or(0),
+            pending.get(&id).copied().unwrap_or(0),
+        );
+        match (money(row.get_ref(2)?), money(row.get_ref(3)?)) {
+            (Ok(h), Ok(p)) if (h, p) == want => {}
+            (h, p) => lines.push(format!(
+                "account {public_id} held {} and pending_credit {} but its holds sum to {} \
+                 and {}",
+                h.map_or_else(|s| s, |n| n.to_string()),
+                p.map_or_else(|s| s, |n| n.to_string()),
+                want.0,
+                want.1
+            )),
         }
     }
     Ok(lines)
@@ -432,8 +644,9 @@ mod tests {
                 .execute(
                     "INSERT INTO charges (id, consumer_id, public_id, amount, currency, \
                      source_id, destination_id, metadata, fingerprint, op_id, idempotency_key, \
-                     authorization_id, created_at) VALUES (?1, 1, 'ch_' || ?1, ?2, 'BRL', ?3, \
-                     ?4, '{}', zeroblob(32), 'op_' || ?1, 'key-' || ?1, 'auth_' || ?1, 0)",
+                     authorization_id, created_at, status, amount_captured) VALUES (?1, 1, \
+                     'ch_' || ?1, ?2, 'BRL', ?3, ?4, '{}', zeroblob(32), 'op_' || ?1, \
+                     'key-' || ?1, 'auth_' || ?1, 0, 'succeeded', ?2)",
                     params![n, amount, self.accounts[source], self.accounts[destination]],
                 )
                 .unwrap();

@@ -97,9 +97,15 @@ fn manual_clock(start_ms: i64) -> (Arc<AtomicI64>, Clock) {
 }
 
 fn authorize(sim: &Simulator, key: &str) -> String {
-    sim.authorize(key, 100, "BRL", Instant::now() + Duration::from_secs(10))
-        .unwrap_or_else(|e| panic!("{key}: {e:?}"))
-        .id
+    sim.authorize(
+        key,
+        100,
+        "BRL",
+        true,
+        Instant::now() + Duration::from_secs(10),
+    )
+    .unwrap_or_else(|e| panic!("{key}: {e:?}"))
+    .id
 }
 
 fn rows(db: &Path) -> (usize, usize) {
@@ -509,6 +515,7 @@ impl Acquirer for Gate {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
         deadline: Instant,
     ) -> Result<idem::acquirer::Authorization, idem::acquirer::Unavailable> {
         if self.calls.fetch_add(1, Ordering::SeqCst) < self.held {
@@ -519,8 +526,11 @@ impl Acquirer for Gate {
                 .wait_timeout_while(open, CLIENT_DEADLINE, |open| !*open);
             assert!(*waited.unwrap().0, "the test opens the gate");
         }
-        self.inner.authorize(key, amount, currency, deadline)
+        self.inner
+            .authorize(key, amount, currency, capture, deadline)
     }
+
+    crate::settle_through_inner!();
 }
 
 /// The deadline counts from the owner's lock, not from the call: an

@@ -306,14 +306,18 @@ impl Acquirer for StuckFirstCall {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
         deadline: std::time::Instant,
     ) -> Result<Authorization, Unavailable> {
         if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
             let _ = self.entered.send(());
             let _ = self.release.recv_timeout(Duration::from_secs(20));
         }
-        self.inner.authorize(key, amount, currency, deadline)
+        self.inner
+            .authorize(key, amount, currency, capture, deadline)
     }
+
+    crate::settle_through_inner!();
 }
 
 /// Owner A sends `key` and stalls (it signals `stalled`); once its lock is

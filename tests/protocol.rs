@@ -208,13 +208,17 @@ impl Acquirer for Flaky {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
         deadline: std::time::Instant,
     ) -> Result<Authorization, Unavailable> {
         if self.calls.fetch_add(1, Ordering::SeqCst) < self.failures {
             return Err(Unavailable("connection reset".into()));
         }
-        self.inner.authorize(key, amount, currency, deadline)
+        self.inner
+            .authorize(key, amount, currency, capture, deadline)
     }
+
+    crate::settle_through_inner!();
 }
 
 #[test]

@@ -478,10 +478,10 @@ fn a_signal_while_verifying_the_copy_interrupts_the_check() {
            (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 50000) SELECT i FROM n;
          INSERT INTO charges (consumer_id, public_id, amount, currency, source_id, \
            destination_id, metadata, fingerprint, op_id, idempotency_key, authorization_id, \
-           created_at) SELECT 1, 'ch_bulk' || i, 1, 'BRL', \
+           created_at, status, amount_captured) SELECT 1, 'ch_bulk' || i, 1, 'BRL', \
            (SELECT id FROM accounts WHERE public_id = 'card'), \
            (SELECT id FROM accounts WHERE public_id = 'shop'), '{}', zeroblob(32), \
-           'op_bulk' || i, 'bulk-' || i, 'auth_bulk' || i, 0 FROM n;
+           'op_bulk' || i, 'bulk-' || i, 'auth_bulk' || i, 0, 'succeeded', 1 FROM n;
          INSERT INTO entries (public_id, account_id, amount, charge_id, created_at) \
            SELECT 'evt_bulk_d' || id, source_id, -amount, id, 0 FROM charges \
            WHERE public_id LIKE 'ch_bulk%' UNION ALL \

@@ -2,10 +2,35 @@
 //! key until it gets a final answer, against an `idem serve` child that is
 //! SIGKILLed and restarted at random moments. After every kill (the child is
 //! dead, the file quiescent) and at the end, the database is checked directly
-//! in SQL, with `idem verify`, and against every answer a client was given:
-//! conservation, nothing acknowledged lost, at most one effect per key and
-//! per reference, every stored answer byte-identical to the one the client
-//! saw, and structure (integrity, foreign keys, orphans the reaper can finish).
+//! in SQL, with `idem verify` (which also holds the ledger against the
+//! acquirer simulator's file), against the simulator's journal of calls, and
+//! against every answer a client was given: conservation and holds, nothing
+//! acknowledged lost, at most one effect per key and per reference, at most
+//! one capture and one void per authorization and none for a refused
+//! capture or cancel, every stored answer byte-identical to the one the
+//! client saw, and structure (integrity, foreign keys, orphans the reaper can
+//! finish, claims on holds that someone will release).
+//!
+//! The intents: sales, and holds (`"capture": false`) from a funding account
+//! or from a merchant (which may be declined with 402); full and partial
+//! captures and cancels of acknowledged holds, captures over the
+//! authorization (422), captures and cancels of holds already settled or
+//! past their expiry (409), and races — a capture against a cancel or
+//! against another capture of one hold, sent from two threads a few
+//! milliseconds apart, whose loser's final answer is 409
+//! `invalid-charge-state`; refunds of sales and of captured holds (the client
+//! knows exactly what is left: 422 past it, else 201 or 402) and of holds
+//! that are not captured (409 only); reference replays. Some holds are left
+//! alone: the child runs with an `--authorization-ttl` of
+//! `AUTHORIZATION_TTL_MS`, so they expire during the run and the reaper voids
+//! and releases them; a fifth of the kills aim at the reaper's first pass
+//! after a restart, which expires the holds that lapsed while the child was
+//! down, so some kills land in the middle of an expiry (claimed, voided at
+//! the acquirer, not yet released), which the next pass must finish. The
+//! `judge` accepts exactly the final answers the contract allows an intent,
+//! given what its client knows: a 200 of a capture or cancel names that
+//! charge with the right status and amounts, and a capture created after its
+//! hold's `expires_at` cannot succeed.
 //!
 //! Seeded: `IDEM_TORTURE_SEED=<u64>` replays the schedule of intents and of
 //! kill moments. Thread timing is not deterministic, so which request a kill
@@ -13,21 +38,30 @@
 //! one seed. `IDEM_TORTURE_KILLS=<n>` sets the number of kills (default
 //! `KILLS_DEFAULT`, the CI profile; README.md tells how to run the long one),
 //! spread over fresh databases of at most `KILLS_PER_DATABASE_MAX` kills each.
-//! At the end of each database the reaper must have resolved every orphan,
-//! every answered intent is re-sent once more, and the database must hold
-//! exactly the charges and refunds the answers name. A second test tampers
-//! with copies of a real file to show that each check fails when it should.
+//! At the end of each database the reaper must have resolved every orphan
+//! and every hold, every answered intent is re-sent once more, and the
+//! database must hold exactly the charges and refunds the answers name, with
+//! every hold settled as its answers say: captured by the one capture
+//! answered 200, canceled by the one cancel answered 200, or — when none
+//! was — canceled with `cancellation_reason: expired`; and a 409 of a capture
+//! or cancel that came back before its hold expired must have lost to another
+//! capture or cancel of that hold answered 200 (before the expiry nothing
+//! else claims a hold). A second test tampers with copies of a real file
+//! (and with the answers) to show that each check fails when it should, and
+//! a third that the judge accepts exactly what the contract allows.
 
 mod support;
 
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use idem::acquirer::{Call, CallKind, Simulator};
+use idem::time::now_ms;
 use rusqlite::{Connection, OpenFlags};
 use serde_json::{json, Value};
 use support::{ChildServer, TempDir};
@@ -43,12 +77,21 @@ const CONSUMERS: usize = 3;
 const INFLIGHT_TIMEOUT: &str = "1s";
 const REAPER_INTERVAL: &str = "200ms";
 /// A few milliseconds in the acquirer widen the window in which a kill finds
-/// a charge between its reservation and its ledger commit.
+/// a charge between its reservation and its ledger commit, and an expiry
+/// between its void and its release.
 const ACQUIRER_LATENCY: &str = "5ms";
+/// `--authorization-ttl`: short, so that holds left alone expire during the
+/// run (and the end waits at most this long for the last ones), long enough
+/// that a client captures or cancels most holds in time.
+const AUTHORIZATION_TTL_MS: i64 = 2_000;
+/// A capture or cancel is aimed at a hold "past its expiry" only this long
+/// after it, by the test's clock (the server's is the same clock).
+const LATE_MARGIN_MS: i64 = 10;
 /// An intent without a final answer after this long is a failure (a server
 /// that does not converge), not a hang of the test.
 const INTENT_DEADLINE: Duration = Duration::from_secs(60);
-/// How long the end waits for the reaper to resolve every in-progress key.
+/// How long the end waits for the reaper to resolve every in-progress key
+/// (and, after the authorization TTL, every hold).
 const DRAIN_DEADLINE: Duration = Duration::from_secs(30);
 /// Pause before re-sending after a 409 or 503 (the server says
 /// `Retry-After: 1`; a torture client is impatient on purpose) and after a
@@ -177,20 +220,57 @@ impl Profile {
 
 #[derive(Debug, Clone)]
 enum Kind {
-    /// A new charge with its own `reference`. `may_decline`: the source is a
-    /// merchant, so 402 is a legitimate answer.
+    /// A new charge with its own `reference`: a sale, or with `capture:
+    /// false` a hold. `may_decline`: the source is a merchant, so 402 is a
+    /// legitimate answer.
     Charge {
         amount: i64,
         source: &'static str,
         destination: &'static str,
         reference: String,
         may_decline: bool,
+        capture: bool,
     },
     /// A new key with the body (hence the `reference`) of an acknowledged
-    /// charge: must answer 200 with that charge and move nothing.
+    /// charge or hold: must answer 200 with that charge and move nothing.
     ReferenceReplay { charge: String, reference: String },
-    /// A refund of an acknowledged charge; `None` refunds what is left.
-    Refund { charge: String, amount: Option<i64> },
+    /// A refund of an acknowledged charge; `amount: None` refunds what is
+    /// left. `left`: what its client knows is left to refund of the captured
+    /// money (nobody else refunds this charge); `None` when the charge is a
+    /// hold that is not captured (open, canceled or lapsed): only 409.
+    Refund {
+        charge: String,
+        amount: Option<i64>,
+        left: Option<i64>,
+    },
+    /// A capture of an acknowledged hold of `authorized`, which expires at
+    /// `expires_at_ms`; `amount: None` captures all of it. `settled`: its
+    /// client knows the hold can no longer be captured (captured, canceled,
+    /// or refused a capture or cancel already): only 409.
+    Capture {
+        charge: String,
+        amount: Option<i64>,
+        authorized: i64,
+        expires_at_ms: i64,
+        settled: bool,
+    },
+    /// A cancel of an acknowledged hold; `settled`: its client knows it was
+    /// captured or canceled already: only 409.
+    Cancel {
+        charge: String,
+        authorized: i64,
+        settled: bool,
+    },
+}
+
+impl Kind {
+    /// The hold a capture or cancel is aimed at.
+    fn settles(&self) -> Option<&str> {
+        match self {
+            Kind::Capture { charge, .. } | Kind::Cancel { charge, .. } => Some(charge),
+            _ => None,
+        }
+    }
 }
 
 /// One user intent: one key, one body, sent until it gets a final answer.
@@ -205,6 +285,10 @@ struct Intent {
     /// Sent with `Prefer: respond-async`: a 202 is not final, the client
     /// re-sends until the stored answer comes back.
     respond_async: bool,
+    /// When the intent was made (ms since the epoch), before its first send.
+    created_ms: i64,
+    /// What the client meant, for the figures: "sale", "late capture", …
+    tag: &'static str,
 }
 
 #[derive(Debug, Clone)]
@@ -212,6 +296,8 @@ struct Answer {
     status: u16,
     body: Vec<u8>,
     replayed: bool,
+    /// When it came back (ms since the epoch).
+    received_ms: i64,
 }
 
 impl Answer {
@@ -221,6 +307,12 @@ impl Answer {
 
     fn text(&self) -> String {
         format!("{} {}", self.status, String::from_utf8_lossy(&self.body))
+    }
+
+    /// The `id` its body names, if any.
+    fn id(&self) -> Option<String> {
+        self.json()
+            .and_then(|b| b["id"].as_str().map(str::to_string))
     }
 }
 
@@ -243,6 +335,12 @@ struct Stats {
     accepted_202: AtomicU64,
     unavailable_503: AtomicU64,
     replays_compared: AtomicU64,
+    /// Races of two captures or a capture and a cancel of one hold, and who
+    /// won them.
+    races: AtomicU64,
+    races_won_by_capture: AtomicU64,
+    races_won_by_cancel: AtomicU64,
+    races_won_by_nobody: AtomicU64,
 }
 
 /// What the clients and the kill loop share.
@@ -318,7 +416,8 @@ impl Ctx {
 
 enum Attempt {
     Final(Answer),
-    /// Connection error, 409 or 503: send the same again.
+    /// Connection error, 409 (key or reference in use) or 503: send the same
+    /// again.
     Retry,
     /// The server is down: nothing was sent.
     Down,
@@ -348,23 +447,25 @@ fn attempt(shared: &Shared, intent: &Intent) -> Attempt {
             std::thread::sleep(DOWN_PAUSE);
             Attempt::Retry
         }
-        Ok(r) if matches!(r.status, 409 | 503) || (r.status == 202 && intent.respond_async) => {
-            let counter = match r.status {
-                202 => &shared.stats.accepted_202,
-                409 => &shared.stats.in_use_409,
-                _ => &shared.stats.unavailable_503,
+        Ok(r) => {
+            let answer = Answer {
+                status: r.status,
+                replayed: r.replayed(),
+                body: r.body,
+                received_ms: now_ms(),
+            };
+            // A 409 about the charge is a final answer; about the key or
+            // the reference, a "come back later".
+            let busy = answer.status == 409 && !is_slug(&answer, "invalid-charge-state");
+            let counter = match answer.status {
+                503 => &shared.stats.unavailable_503,
+                202 if intent.respond_async => &shared.stats.accepted_202,
+                409 if busy => &shared.stats.in_use_409,
+                _ => return Attempt::Final(answer),
             };
             counter.fetch_add(1, Ordering::Relaxed);
             std::thread::sleep(RETRY_PAUSE);
             Attempt::Retry
-        }
-        Ok(r) => {
-            let replayed = r.replayed();
-            Attempt::Final(Answer {
-                status: r.status,
-                body: r.body,
-                replayed,
-            })
         }
     }
 }
@@ -404,9 +505,53 @@ fn is_slug(answer: &Answer, slug: &str) -> bool {
         == Some(format!("urn:idem:problem:{slug}"))
 }
 
+/// `2026-11-30T10:01:12.123Z` (idem's one rendering) as ms since the epoch;
+/// `None` for anything that `idem::time::rfc3339` would not render so.
+fn parse_rfc3339_ms(text: &str) -> Option<i64> {
+    let field = |from: usize, to: usize| -> Option<i64> {
+        let digits = text.get(from..to)?;
+        if !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        digits.parse().ok()
+    };
+    let (y, m, d) = (field(0, 4)?, field(5, 7)?, field(8, 10)?);
+    let (hh, mm, ss, ms) = (
+        field(11, 13)?,
+        field(14, 16)?,
+        field(17, 19)?,
+        field(20, 23)?,
+    );
+    // Howard Hinnant's days-from-civil, the inverse of idem's rendering.
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * ((m + 9) % 12) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let at = ((days * 24 + hh) * 60 + mm) * 60_000 + ss * 1000 + ms;
+    // Whatever the fields held, only a faithful round trip is a time.
+    (idem::time::rfc3339(at) == text).then_some(at)
+}
+
+/// A charge body's time field `name` in ms, if it has one.
+fn time_of(body: &Value, name: &str) -> Option<i64> {
+    body[name].as_str().and_then(parse_rfc3339_ms)
+}
+
 /// Is `answer` a legitimate final answer to `intent`? Returns what is wrong.
 fn judge(intent: &Intent, answer: &Answer) -> Result<(), String> {
     let body = answer.json().unwrap_or(Value::Null);
+    let charge_state = || is_slug(answer, "invalid-charge-state");
+    // A capture or cancel's 200: the charge it settled, the hold released.
+    let settled_charge = |charge: &str, authorized: i64| {
+        body["object"] == "charge"
+            && body["id"] == json!(charge)
+            && body["amount"] == json!(authorized)
+            && body["amount_capturable"] == 0
+            && body["amount_refunded"] == 0
+            && body["expires_at"].is_null()
+    };
     let ok = match (&intent.kind, answer.status) {
         (
             Kind::Charge {
@@ -414,18 +559,38 @@ fn judge(intent: &Intent, answer: &Answer) -> Result<(), String> {
                 source,
                 destination,
                 reference,
+                capture,
                 ..
             },
             201,
         ) => {
-            body["object"] == "charge"
+            let common = body["object"] == "charge"
                 && body["id"].as_str().is_some_and(|id| id.starts_with("ch_"))
                 && body["amount"] == json!(amount)
                 && body["source"] == json!(source)
                 && body["destination"] == json!(destination)
                 && body["reference"] == json!(reference)
-                && body["status"] == "succeeded"
+                && body["authorization"]
+                    .as_str()
+                    .is_some_and(|a| a.starts_with("auth_"))
                 && body["amount_refunded"] == 0
+                && body["canceled_at"].is_null()
+                && body["cancellation_reason"].is_null();
+            let lifetime = time_of(&body, "expires_at")
+                .zip(time_of(&body, "created_at"))
+                .map(|(expires, created)| expires - created);
+            common
+                && if *capture {
+                    body["status"] == "succeeded"
+                        && body["amount_captured"] == json!(amount)
+                        && body["amount_capturable"] == 0
+                        && body["expires_at"].is_null()
+                } else {
+                    body["status"] == "requires_capture"
+                        && body["amount_captured"] == 0
+                        && body["amount_capturable"] == json!(amount)
+                        && lifetime == Some(AUTHORIZATION_TTL_MS)
+                }
         }
         (Kind::Charge { may_decline, .. }, 402) => {
             *may_decline && is_slug(answer, "insufficient-funds")
@@ -433,39 +598,145 @@ fn judge(intent: &Intent, answer: &Answer) -> Result<(), String> {
         (Kind::ReferenceReplay { charge, .. }, 200) => {
             body["object"] == "charge" && body["id"] == json!(charge) && answer.replayed
         }
-        (Kind::Refund { charge, amount }, 201) => {
+        (
+            Kind::Refund {
+                charge,
+                amount,
+                left: Some(left),
+            },
+            201,
+        ) => {
+            let refunded = amount.unwrap_or(*left);
             body["object"] == "refund"
                 && body["id"].as_str().is_some_and(|id| id.starts_with("re_"))
                 && body["charge"] == json!(charge)
-                && amount.is_none_or(|a| body["amount"] == json!(a))
+                && body["amount"] == json!(refunded)
+                && 0 < refunded
+                && refunded <= *left
         }
-        (Kind::Refund { .. }, 402) => is_slug(answer, "insufficient-funds"),
-        (Kind::Refund { .. }, 422) => is_slug(answer, "refund-exceeds-charge"),
+        (
+            Kind::Refund {
+                amount,
+                left: Some(left),
+                ..
+            },
+            402 | 422,
+        ) => {
+            // What is left is checked first: only a refund that fits may
+            // then be declined for the destination's funds.
+            let fits = amount.map_or(*left > 0, |a| a <= *left);
+            if answer.status == 402 {
+                fits && is_slug(answer, "insufficient-funds")
+            } else {
+                !fits && is_slug(answer, "refund-exceeds-charge")
+            }
+        }
+        (Kind::Refund { left: None, .. }, 409) => charge_state(),
+        (
+            Kind::Capture {
+                charge,
+                amount,
+                authorized,
+                expires_at_ms,
+                settled,
+            },
+            200,
+        ) => {
+            // The claim is made when the key is reserved, after the intent
+            // was made: one made after the expiry cannot win it.
+            !settled
+                && intent.created_ms < *expires_at_ms
+                && amount.is_none_or(|a| a <= *authorized)
+                && settled_charge(charge, *authorized)
+                && body["status"] == "succeeded"
+                && body["amount_captured"] == json!(amount.unwrap_or(*authorized))
+                && body["canceled_at"].is_null()
+                && body["cancellation_reason"].is_null()
+        }
+        (Kind::Capture { .. }, 409) => charge_state(),
+        (
+            Kind::Capture {
+                amount, authorized, ..
+            },
+            422,
+        ) => {
+            amount.is_some_and(|a| a > *authorized)
+                && is_slug(answer, "capture-exceeds-authorization")
+        }
+        (
+            Kind::Cancel {
+                charge,
+                authorized,
+                settled,
+            },
+            200,
+        ) => {
+            !settled
+                && settled_charge(charge, *authorized)
+                && body["status"] == "canceled"
+                && body["amount_captured"] == 0
+                && body["cancellation_reason"] == "requested"
+                && time_of(&body, "canceled_at").is_some()
+        }
+        (Kind::Cancel { .. }, 409) => charge_state(),
         _ => false,
     };
     if ok {
         Ok(())
     } else {
         Err(format!(
-            "client {} {} key {} body {}: unexpected final answer {}",
+            "client {} {} key {} body {} ({}): unexpected final answer {}",
             intent.client,
             intent.path,
             intent.key,
             intent.body,
+            intent.tag,
             answer.text()
         ))
     }
 }
 
-/// A client's own view: what it was answered, and its acknowledged charges
-/// (id, the intent) that refunds and reference replays pick from.
+/// What a client knows of a charge it created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    /// Captured this much: a sale, or a hold whose capture answered 200.
+    Captured(i64),
+    /// A hold nobody has captured or canceled yet.
+    Open,
+    /// A hold whose cancel answered 200.
+    Canceled,
+    /// A hold whose capture or cancel answered 409 with nothing else
+    /// trying: it lapsed (the expiry has it); it can no longer be captured.
+    Lapsed,
+    /// A capture or cancel of this hold was abandoned: what became of it
+    /// shows at the end; the client leaves it alone.
+    Unknown,
+}
+
+/// A charge its client created and was told of.
+struct Owned {
+    id: String,
+    /// The intent that created it (for reference replays).
+    intent: Arc<Intent>,
+    amount: i64,
+    /// A hold's `expires_at`.
+    expires_at_ms: Option<i64>,
+    /// A hold its client will not capture or cancel before it expires.
+    left_alone: bool,
+    fate: Fate,
+    /// What its refunds answered 201 add up to.
+    refunded: i64,
+}
+
+/// A client's own view: what it was answered, and the charges it created
+/// that captures, cancels, refunds and reference replays pick from.
 struct Client {
     shared: Arc<Shared>,
     index: usize,
     consumer: usize,
     rng: Rng,
     mine: Vec<Record>,
-    charges: Vec<(String, Arc<Intent>)>,
+    owned: Vec<Owned>,
 }
 
 impl Client {
@@ -477,7 +748,7 @@ impl Client {
             consumer: index % CONSUMERS,
             rng: Rng::new(seed),
             mine: Vec::new(),
-            charges: Vec::new(),
+            owned: Vec::new(),
         }
     }
 
@@ -486,26 +757,36 @@ impl Client {
         while !self.shared.stop.load(Ordering::SeqCst) && !self.shared.abort.load(Ordering::SeqCst)
         {
             let roll = self.rng.below(100);
-            if roll < 10 && !self.mine.is_empty() {
+            if roll < 8 && !self.mine.is_empty() {
                 self.replay_one();
-            } else if roll < 18 {
-                let intent = self.new_charge();
+                continue;
+            }
+            if roll < 14 {
+                let hold = self.rng.percent(40);
+                let intent = self.new_charge(!hold);
                 self.abandon_after_one_attempt(intent);
-            } else if roll < 33 && !self.charges.is_empty() {
-                let intent = self.new_refund();
-                self.carry_out(intent);
-            } else if roll < 37 && !self.charges.is_empty() {
+                continue;
+            }
+            if roll < 26 && self.refund_one() {
+                continue;
+            }
+            if roll < 29 && !self.owned.is_empty() {
                 let intent = self.new_reference_replay();
                 self.carry_out(intent);
-            } else {
-                let intent = self.new_charge();
-                self.carry_out(intent);
+                continue;
             }
+            if roll < 52 && self.settle_one() {
+                continue;
+            }
+            // A hold or a sale; also when there was nothing to refund or
+            // settle.
+            let intent = self.new_charge(roll >= 70);
+            self.carry_out(intent);
         }
     }
 
     /// A new intent with its own key; one in five asks for async mode.
-    fn intent(&mut self, path: String, body: String, kind: Kind) -> Arc<Intent> {
+    fn intent(&mut self, path: String, body: String, kind: Kind, tag: &'static str) -> Arc<Intent> {
         Arc::new(Intent {
             client: self.index,
             consumer: self.consumer,
@@ -514,10 +795,14 @@ impl Client {
             body,
             kind,
             respond_async: self.rng.percent(20),
+            created_ms: now_ms(),
+            tag,
         })
     }
 
-    fn new_charge(&mut self) -> Arc<Intent> {
+    /// A sale (`capture`) or a hold, from the funding account or between
+    /// merchants.
+    fn new_charge(&mut self, capture: bool) -> Arc<Intent> {
         let from_funding = self.rng.percent(50);
         let currency = *self.rng.pick(&["BRL", "USD"]);
         let accounts: Vec<&AccountSpec> =
@@ -538,33 +823,56 @@ impl Client {
         };
         let amount = amount as i64;
         let reference = format!("ref-{}", self.rng.uuid());
-        let body = json!({
+        let mut body = json!({
             "amount": amount,
             "currency": currency,
             "source": source,
             "destination": destination,
             "reference": reference,
-        })
-        .to_string();
+        });
+        if !capture {
+            body["capture"] = json!(false);
+        }
         let kind = Kind::Charge {
             amount,
             source,
             destination,
             reference,
             may_decline: !from_funding,
+            capture,
         };
-        self.intent("/v1/charges".to_string(), body, kind)
+        let tag = if capture { "sale" } else { "hold" };
+        self.intent("/v1/charges".to_string(), body.to_string(), kind, tag)
     }
 
-    fn new_refund(&mut self) -> Arc<Intent> {
-        let (charge, of) = self.rng.pick(&self.charges).clone();
-        let Kind::Charge { amount, .. } = of.kind else {
-            unreachable!("only charges are kept")
-        };
+    /// A refund: mostly of captured money (a sale or a captured hold),
+    /// sometimes of a hold that is not captured (409 only). False if there
+    /// is nothing to refund.
+    fn refund_one(&mut self) -> bool {
+        let captured: Vec<usize> = self.indices(|o| matches!(o.fate, Fate::Captured(_)));
+        let uncaptured: Vec<usize> =
+            self.indices(|o| matches!(o.fate, Fate::Open | Fate::Canceled | Fate::Lapsed));
+        let (i, left, tag) =
+            if !uncaptured.is_empty() && (captured.is_empty() || self.rng.percent(15)) {
+                (
+                    *self.rng.pick(&uncaptured),
+                    None,
+                    "refund of a hold not captured",
+                )
+            } else if !captured.is_empty() {
+                let i = *self.rng.pick(&captured);
+                let Fate::Captured(c) = self.owned[i].fate else {
+                    unreachable!("picked among the captured")
+                };
+                (i, Some(c - self.owned[i].refunded), "refund")
+            } else {
+                return false;
+            };
+        let (charge, of) = (self.owned[i].id.clone(), self.owned[i].amount);
         let amount = if self.rng.percent(30) {
             None
         } else {
-            Some(self.rng.between(1, amount as u64) as i64)
+            Some(self.rng.between(1, of as u64) as i64)
         };
         let body = match amount {
             Some(a) => json!({ "amount": a }),
@@ -572,19 +880,191 @@ impl Client {
         }
         .to_string();
         let path = format!("/v1/charges/{charge}/refunds");
-        self.intent(path, body, Kind::Refund { charge, amount })
+        let kind = Kind::Refund {
+            charge,
+            amount,
+            left,
+        };
+        let intent = self.intent(path, body, kind, tag);
+        self.carry_out(intent);
+        true
     }
 
     fn new_reference_replay(&mut self) -> Arc<Intent> {
-        let (charge, of) = self.rng.pick(&self.charges).clone();
+        let i = self.rng.below(self.owned.len() as u64) as usize;
+        let (charge, of) = (self.owned[i].id.clone(), Arc::clone(&self.owned[i].intent));
         let Kind::Charge { reference, .. } = &of.kind else {
-            unreachable!("only charges are kept")
+            unreachable!("only charges are owned")
         };
         let kind = Kind::ReferenceReplay {
             charge,
             reference: reference.clone(),
         };
-        self.intent(of.path.clone(), of.body.clone(), kind)
+        self.intent(of.path.clone(), of.body.clone(), kind, "reference replay")
+    }
+
+    fn indices(&self, f: impl Fn(&Owned) -> bool) -> Vec<usize> {
+        (0..self.owned.len())
+            .filter(|&i| f(&self.owned[i]))
+            .collect()
+    }
+
+    /// Captures or cancels one of this client's holds, one way or another;
+    /// false if it has none to aim at.
+    fn settle_one(&mut self) -> bool {
+        let now = now_ms();
+        let late = |o: &Owned| o.expires_at_ms.is_some_and(|at| now > at + LATE_MARGIN_MS);
+        let open = self.indices(|o| o.fate == Fate::Open && !o.left_alone);
+        let lapsed_alone = self.indices(|o| o.fate == Fate::Open && o.left_alone && late(o));
+        let settled = self.indices(|o| {
+            o.expires_at_ms.is_some() && matches!(o.fate, Fate::Captured(_) | Fate::Canceled)
+        });
+        let roll = self.rng.below(100);
+        if roll < 15 && !lapsed_alone.is_empty() {
+            // Past its expiry: a capture is refused, a cancel may still
+            // beat the reaper to it.
+            let i = *self.rng.pick(&lapsed_alone);
+            let intent = if self.rng.percent(70) {
+                self.capture_intent(i, None, "late capture")
+            } else {
+                self.cancel_intent(i, "late cancel")
+            };
+            self.carry_out(intent);
+        } else if roll < 22 && !settled.is_empty() {
+            let i = *self.rng.pick(&settled);
+            let intent = if self.rng.percent(50) {
+                let amount = self.capture_amount(i);
+                self.capture_intent(i, amount, "capture of a settled hold")
+            } else {
+                self.cancel_intent(i, "cancel of a settled hold")
+            };
+            self.carry_out(intent);
+        } else if !open.is_empty() {
+            let i = *self.rng.pick(&open);
+            let authorized = self.owned[i].amount;
+            let how = self.rng.below(100);
+            if how < 28 {
+                let intent = self.capture_intent(i, None, "capture");
+                self.carry_out(intent);
+            } else if how < 46 {
+                let amount = Some(self.rng.between(1, authorized as u64) as i64);
+                let intent = self.capture_intent(i, amount, "partial capture");
+                self.carry_out(intent);
+            } else if how < 64 {
+                let intent = self.cancel_intent(i, "cancel");
+                self.carry_out(intent);
+            } else if how < 86 {
+                self.race(i);
+            } else if how < 92 {
+                let over = Some(authorized + self.rng.between(1, 500) as i64);
+                let intent = self.capture_intent(i, over, "capture over the authorization");
+                self.carry_out(intent);
+            } else {
+                let intent = if self.rng.percent(50) {
+                    let amount = self.capture_amount(i);
+                    self.capture_intent(i, amount, "capture")
+                } else {
+                    self.cancel_intent(i, "cancel")
+                };
+                if !self.abandon_after_one_attempt(intent) {
+                    self.owned[i].fate = Fate::Unknown;
+                }
+            }
+        } else {
+            return false;
+        }
+        true
+    }
+
+    /// All (`None`) or part of hold `i`.
+    fn capture_amount(&mut self, i: usize) -> Option<i64> {
+        let authorized = self.owned[i].amount as u64;
+        self.rng
+            .percent(40)
+            .then(|| self.rng.between(1, authorized) as i64)
+    }
+
+    fn capture_intent(&mut self, i: usize, amount: Option<i64>, tag: &'static str) -> Arc<Intent> {
+        let o = &self.owned[i];
+        let kind = Kind::Capture {
+            charge: o.id.clone(),
+            amount,
+            authorized: o.amount,
+            expires_at_ms: o.expires_at_ms.expect("a hold"),
+            settled: o.fate != Fate::Open,
+        };
+        let path = format!("/v1/charges/{}/capture", o.id);
+        let body = match amount {
+            Some(a) => json!({ "amount": a }),
+            None => json!({}),
+        };
+        self.intent(path, body.to_string(), kind, tag)
+    }
+
+    fn cancel_intent(&mut self, i: usize, tag: &'static str) -> Arc<Intent> {
+        let o = &self.owned[i];
+        let kind = Kind::Cancel {
+            charge: o.id.clone(),
+            authorized: o.amount,
+            settled: matches!(o.fate, Fate::Captured(_) | Fate::Canceled),
+        };
+        let path = format!("/v1/charges/{}/cancel", o.id);
+        self.intent(path, "{}".to_string(), kind, tag)
+    }
+
+    /// A capture against a cancel (or, one time in three, against another
+    /// capture) of hold `i`, in either order, the second sent from another
+    /// thread 0–5 ms after the first: at most one may win, and the other's
+    /// final answer is 409.
+    fn race(&mut self, i: usize) {
+        let amount = self.capture_amount(i);
+        let capture = self.capture_intent(i, amount, "racing capture");
+        let other = if self.rng.percent(33) {
+            let amount = self.capture_amount(i);
+            self.capture_intent(i, amount, "racing capture")
+        } else {
+            self.cancel_intent(i, "racing cancel")
+        };
+        let (first, second) = if self.rng.percent(50) {
+            (capture, other)
+        } else {
+            (other, capture)
+        };
+        let stagger = Duration::from_millis(self.rng.between(0, 5));
+        let shared = Arc::clone(&self.shared);
+        let (a, b) = std::thread::scope(|s| {
+            let other = s.spawn(|| {
+                std::thread::sleep(stagger);
+                until_final(&shared, &second)
+            });
+            let a = until_final(&shared, &first);
+            (a, other.join().expect("racing client thread"))
+        });
+        let (Some(a), Some(b)) = (a, b) else {
+            return;
+        };
+        let stats = &self.shared.stats;
+        stats.races.fetch_add(1, Ordering::Relaxed);
+        let winners: Vec<&Arc<Intent>> = [(&first, &a), (&second, &b)]
+            .into_iter()
+            .filter(|(_, answer)| answer.status == 200)
+            .map(|(intent, _)| intent)
+            .collect();
+        let counter = match winners.as_slice() {
+            [] => &stats.races_won_by_nobody,
+            [w] if matches!(w.kind, Kind::Cancel { .. }) => &stats.races_won_by_cancel,
+            [_] => &stats.races_won_by_capture,
+            _ => {
+                self.shared.fail(format!(
+                    "a race on hold {} was won twice: {} key {} and {} key {} both answered 200",
+                    self.owned[i].id, first.path, first.key, second.path, second.key
+                ));
+                &stats.races_won_by_nobody
+            }
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.record(first, a);
+        self.record(second, b);
     }
 
     /// Sends until final, judges and records the first final answer.
@@ -597,13 +1077,19 @@ impl Client {
     /// A client that gives up after one attempt (a terminal that lost power,
     /// or an async client that never polls its 202): its key may be left in
     /// progress, for a retry that never comes; the operation pool or the
-    /// reaper must finish it.
-    fn abandon_after_one_attempt(&mut self, intent: Arc<Intent>) {
+    /// reaper must finish it. True if that one attempt got a final answer.
+    fn abandon_after_one_attempt(&mut self, intent: Arc<Intent>) -> bool {
         loop {
             match attempt(&self.shared, &intent) {
-                Attempt::Final(answer) => return self.record(intent, answer),
-                Attempt::Retry => return self.shared.abandoned.lock().unwrap().push(intent),
-                Attempt::Down if self.shared.abort.load(Ordering::SeqCst) => return,
+                Attempt::Final(answer) => {
+                    self.record(intent, answer);
+                    return true;
+                }
+                Attempt::Retry => {
+                    self.shared.abandoned.lock().unwrap().push(intent);
+                    return false;
+                }
+                Attempt::Down if self.shared.abort.load(Ordering::SeqCst) => return false,
                 Attempt::Down => {}
             }
         }
@@ -612,11 +1098,7 @@ impl Client {
     fn record(&mut self, intent: Arc<Intent>, answer: Answer) {
         match judge(&intent, &answer) {
             Err(what) => self.shared.fail(what),
-            Ok(()) if matches!(intent.kind, Kind::Charge { .. }) && answer.status == 201 => {
-                let id = answer.json().unwrap()["id"].as_str().unwrap().to_string();
-                self.charges.push((id, Arc::clone(&intent)));
-            }
-            Ok(()) => {}
+            Ok(()) => self.learn(&intent, &answer),
         }
         let record = Record {
             intent,
@@ -624,6 +1106,59 @@ impl Client {
         };
         self.shared.answered.lock().unwrap().push(record.clone());
         self.mine.push(record);
+    }
+
+    /// What a judged answer tells the client about its charges.
+    fn learn(&mut self, intent: &Arc<Intent>, answer: &Answer) {
+        let body = answer.json().unwrap_or(Value::Null);
+        let position = |owned: &[Owned], id: &str| owned.iter().position(|o| o.id == id);
+        match (&intent.kind, answer.status) {
+            (
+                Kind::Charge {
+                    amount, capture, ..
+                },
+                201,
+            ) => {
+                let left_alone = !capture && self.rng.percent(30);
+                self.owned.push(Owned {
+                    id: answer.id().expect("a judged charge has an id"),
+                    intent: Arc::clone(intent),
+                    amount: *amount,
+                    expires_at_ms: time_of(&body, "expires_at"),
+                    left_alone,
+                    fate: if *capture {
+                        Fate::Captured(*amount)
+                    } else {
+                        Fate::Open
+                    },
+                    refunded: 0,
+                });
+            }
+            (Kind::Capture { charge, .. }, 200) => {
+                if let Some(i) = position(&self.owned, charge) {
+                    let captured = body["amount_captured"].as_i64().unwrap_or(0);
+                    self.owned[i].fate = Fate::Captured(captured);
+                }
+            }
+            (Kind::Cancel { charge, .. }, 200) => {
+                if let Some(i) = position(&self.owned, charge) {
+                    self.owned[i].fate = Fate::Canceled;
+                }
+            }
+            (Kind::Capture { charge, .. } | Kind::Cancel { charge, .. }, 409) => {
+                if let Some(i) = position(&self.owned, charge) {
+                    if self.owned[i].fate == Fate::Open {
+                        self.owned[i].fate = Fate::Lapsed;
+                    }
+                }
+            }
+            (Kind::Refund { charge, .. }, 201) => {
+                if let Some(i) = position(&self.owned, charge) {
+                    self.owned[i].refunded += body["amount"].as_i64().unwrap_or(0);
+                }
+            }
+            _ => {}
+        }
     }
 
     /// Re-sends an intent that already has its answer: the same status and
@@ -656,8 +1191,8 @@ fn compare_replay(record: &Record, again: &Answer) -> Result<(), String> {
     ))
 }
 
-fn server_args() -> Vec<&'static str> {
-    vec![
+fn server_args() -> Vec<String> {
+    [
         "--inflight-timeout",
         INFLIGHT_TIMEOUT,
         "--reaper-interval",
@@ -666,11 +1201,17 @@ fn server_args() -> Vec<&'static str> {
         "full",
         "--acquirer-latency",
         ACQUIRER_LATENCY,
+        "--authorization-ttl",
+        &format!("{AUTHORIZATION_TTL_MS}ms"),
     ]
+    .map(str::to_string)
+    .to_vec()
 }
 
 fn start_server(ctx: &Ctx, db: &Path) -> ChildServer {
-    let started = std::panic::catch_unwind(|| ChildServer::start(db, &server_args(), &[]));
+    let args = server_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let started = std::panic::catch_unwind(|| ChildServer::start(db, &args, &[]));
     match started {
         Ok(server) if server.initial_key.is_none() => server,
         Ok(_) => ctx.fail(&["a restart printed a new default key".to_string()]),
@@ -739,12 +1280,30 @@ struct Snapshot {
     charges_by_key: HashMap<(i64, String), Vec<String>>,
     /// (consumer id, reference) → charge public ids
     charges_by_reference: HashMap<(i64, String), Vec<String>>,
+    /// op_id → charge public id; authorization → charge public id
+    charges_by_op: HashMap<String, String>,
+    charges_by_authorization: HashMap<String, String>,
     refunds: HashMap<String, RefundRow>,
     refunds_by_key: HashMap<(i64, String), Vec<String>>,
+    /// op_id → refund public id
+    refunds_by_op: HashMap<String, String>,
     /// (consumer id, key) → key row
     keys: HashMap<(i64, String), KeyRow>,
+    /// op_id → (consumer id, key)
+    keys_by_op: HashMap<String, (i64, String)>,
     /// (consumer id, account public id) → balance
     balances: HashMap<(i64, String), i64>,
+}
+
+impl Snapshot {
+    fn key_of_op(&self, op_id: &str) -> Option<&KeyRow> {
+        self.keys_by_op.get(op_id).and_then(|at| self.keys.get(at))
+    }
+
+    fn in_progress(&self, op_id: &str) -> bool {
+        self.key_of_op(op_id)
+            .is_some_and(|k| k.state == "in_progress")
+    }
 }
 
 struct ChargeRow {
@@ -757,6 +1316,20 @@ struct ChargeRow {
     key: String,
     op_id: String,
     authorization_id: String,
+    status: String,
+    amount_captured: i64,
+    cancellation_reason: Option<String>,
+    claimed_by: Option<String>,
+}
+
+impl ChargeRow {
+    fn state(&self) -> String {
+        match (&self.cancellation_reason, &self.claimed_by) {
+            (Some(reason), _) => format!("{} ({reason})", self.status),
+            (None, Some(claimer)) => format!("{} (claimed by {claimer})", self.status),
+            (None, None) => format!("{} ({} captured)", self.status, self.amount_captured),
+        }
+    }
 }
 
 struct RefundRow {
@@ -767,6 +1340,8 @@ struct RefundRow {
 }
 
 struct KeyRow {
+    op_id: String,
+    path: String,
     state: String,
     status: Option<u16>,
     body: Option<Vec<u8>>,
@@ -793,19 +1368,23 @@ fn consumer_ids(conn: &Connection) -> rusqlite::Result<Vec<i64>> {
 
 fn read_snapshot(conn: &Connection) -> rusqlite::Result<Snapshot> {
     let mut s = Snapshot {
-        consumer_ids: Vec::new(),
+        consumer_ids: consumer_ids(conn)?,
         charges: HashMap::new(),
         charges_by_key: HashMap::new(),
         charges_by_reference: HashMap::new(),
+        charges_by_op: HashMap::new(),
+        charges_by_authorization: HashMap::new(),
         refunds: HashMap::new(),
         refunds_by_key: HashMap::new(),
+        refunds_by_op: HashMap::new(),
         keys: HashMap::new(),
+        keys_by_op: HashMap::new(),
         balances: HashMap::new(),
     };
-    s.consumer_ids = consumer_ids(conn)?;
     let mut stmt = conn.prepare(
         "SELECT c.public_id, c.consumer_id, c.amount, c.currency, s.public_id, d.public_id, \
-         c.reference, c.idempotency_key, c.op_id, c.authorization_id FROM charges c \
+         c.reference, c.idempotency_key, c.op_id, c.authorization_id, c.status, \
+         c.amount_captured, c.cancellation_reason, c.claimed_by FROM charges c \
          JOIN accounts s ON s.id = c.source_id JOIN accounts d ON d.id = c.destination_id",
     )?;
     let mut rows = stmt.query([])?;
@@ -821,6 +1400,10 @@ fn read_snapshot(conn: &Connection) -> rusqlite::Result<Snapshot> {
             key: r.get(7)?,
             op_id: r.get(8)?,
             authorization_id: r.get(9)?,
+            status: r.get(10)?,
+            amount_captured: r.get(11)?,
+            cancellation_reason: r.get(12)?,
+            claimed_by: r.get(13)?,
         };
         let by_key = (row.consumer_id, row.key.clone());
         s.charges_by_key.entry(by_key).or_default().push(id.clone());
@@ -831,10 +1414,13 @@ fn read_snapshot(conn: &Connection) -> rusqlite::Result<Snapshot> {
                 .or_default()
                 .push(id.clone());
         }
+        s.charges_by_op.insert(row.op_id.clone(), id.clone());
+        s.charges_by_authorization
+            .insert(row.authorization_id.clone(), id.clone());
         s.charges.insert(id, row);
     }
     let mut stmt = conn.prepare(
-        "SELECT r.public_id, r.consumer_id, c.public_id, r.amount, r.idempotency_key \
+        "SELECT r.public_id, r.consumer_id, c.public_id, r.amount, r.idempotency_key, r.op_id \
          FROM refunds r JOIN charges c ON c.id = r.charge_id",
     )?;
     let mut rows = stmt.query([])?;
@@ -848,19 +1434,25 @@ fn read_snapshot(conn: &Connection) -> rusqlite::Result<Snapshot> {
         };
         let by_key = (row.consumer_id, row.key.clone());
         s.refunds_by_key.entry(by_key).or_default().push(id.clone());
+        s.refunds_by_op.insert(r.get(5)?, id.clone());
         s.refunds.insert(id, row);
     }
     let mut stmt = conn.prepare(
-        "SELECT consumer_id, key, state, response_status, response_body FROM idempotency_keys",
+        "SELECT consumer_id, key, op_id, path, state, response_status, response_body \
+         FROM idempotency_keys",
     )?;
     let mut rows = stmt.query([])?;
     while let Some(r) = rows.next()? {
+        let at: (i64, String) = (r.get(0)?, r.get(1)?);
         let row = KeyRow {
-            state: r.get(2)?,
-            status: r.get(3)?,
-            body: r.get(4)?,
+            op_id: r.get(2)?,
+            path: r.get(3)?,
+            state: r.get(4)?,
+            status: r.get(5)?,
+            body: r.get(6)?,
         };
-        s.keys.insert((r.get(0)?, r.get(1)?), row);
+        s.keys_by_op.insert(row.op_id.clone(), at.clone());
+        s.keys.insert(at, row);
     }
     let mut stmt = conn.prepare("SELECT consumer_id, public_id, balance FROM accounts")?;
     let mut rows = stmt.query([])?;
@@ -888,6 +1480,80 @@ const SQL_CHECKS: &[(&str, &str)] = &[
         "SELECT 'account ' || public_id || ' is at ' || balance FROM accounts \
          WHERE allow_negative = 0 AND balance < 0",
     ),
+    (
+        "holds: held and pending_credit are what the open holds on an account add up to",
+        "SELECT 'account ' || public_id || ' held ' || held || ' pending_credit ' \
+         || pending_credit || ' but its open holds add up to ' || want_held || ' and ' \
+         || want_pending FROM (SELECT a.public_id, a.held, a.pending_credit, \
+           coalesce((SELECT sum(c.amount) FROM charges c WHERE c.source_id = a.id \
+             AND c.status = 'requires_capture'), 0) AS want_held, \
+           coalesce((SELECT sum(c.amount) FROM charges c WHERE c.destination_id = a.id \
+             AND c.status = 'requires_capture'), 0) AS want_pending FROM accounts a) \
+         WHERE held <> want_held OR pending_credit <> want_pending",
+    ),
+    (
+        "holds: no merchant has less available than 0",
+        "SELECT 'account ' || public_id || ' has ' || (balance - held) || ' available (balance ' \
+         || balance || ', held ' || held || ')' FROM accounts \
+         WHERE allow_negative = 0 AND balance - held < 0",
+    ),
+    (
+        "holds: a held or canceled charge has no entries, a captured one a debit and a credit \
+         of amount_captured",
+        "SELECT 'charge ' || c.public_id || ' (' || c.status || ', captured ' \
+         || c.amount_captured || ') has entries ' || coalesce((SELECT group_concat(e.amount, ' ') \
+         FROM entries e WHERE e.charge_id = c.id AND e.refund_id IS NULL), 'none') \
+         FROM charges c WHERE CASE WHEN c.status = 'succeeded' THEN \
+           (SELECT count(*) FROM entries e WHERE e.charge_id = c.id AND e.refund_id IS NULL) <> 2 \
+           OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id \
+             AND e.refund_id IS NULL AND e.account_id = c.source_id \
+             AND e.amount = -c.amount_captured) \
+           OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id \
+             AND e.refund_id IS NULL AND e.account_id = c.destination_id \
+             AND e.amount = c.amount_captured) \
+         ELSE EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id) END",
+    ),
+    (
+        "refunds: only captured money is refunded, and amount_refunded is what the refunds \
+         add up to",
+        "SELECT 'charge ' || c.public_id || ' (' || c.status || ', captured ' \
+         || c.amount_captured || ') amount_refunded ' || c.amount_refunded || ', refunds ' \
+         || coalesce((SELECT sum(r.amount) FROM refunds r WHERE r.charge_id = c.id), 0) \
+         FROM charges c WHERE c.amount_refunded \
+           <> coalesce((SELECT sum(r.amount) FROM refunds r WHERE r.charge_id = c.id), 0) \
+         OR c.amount_refunded > c.amount_captured \
+         OR (c.status <> 'succeeded' AND EXISTS (SELECT 1 FROM refunds r WHERE r.charge_id = c.id))",
+    ),
+    (
+        // A claim nobody will release keeps a hold forever: no capture or
+        // cancel may take it, and the expiry skips it.
+        "holds: a hold is claimed only by a capture or cancel of it in progress, or by the \
+         expiry once it expired",
+        "SELECT 'charge ' || c.public_id || ' (' || c.status || ', expires_at ' \
+         || coalesce(c.expires_at, 'none') || ') is claimed by ' || c.claimed_by \
+         || ', which is not a capture or cancel of it in progress' FROM charges c \
+         WHERE c.claimed_by IS NOT NULL AND NOT ( \
+           (c.claimed_by = 'expiry' \
+             AND c.expires_at <= CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)) \
+           OR EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.op_id = c.claimed_by \
+             AND k.state = 'in_progress' AND k.consumer_id = c.consumer_id \
+             AND k.path IN ('/v1/charges/' || c.public_id || '/capture', \
+                            '/v1/charges/' || c.public_id || '/cancel')))",
+    ),
+    (
+        // The claim is made in the transaction that reserves the key, and
+        // released in the one that completes it.
+        "holds: a capture or cancel in progress holds the claim on its charge",
+        "SELECT 'key ' || k.key || ' (' || k.op_id || ') ' || k.path || ' in progress at ' \
+         || k.recovery_point || ', but ' || coalesce('its charge is ' || c.status \
+           || ' claimed by ' || coalesce(c.claimed_by, 'nobody'), 'its charge is missing') \
+         FROM idempotency_keys k LEFT JOIN charges c ON c.consumer_id = k.consumer_id \
+           AND k.path IN ('/v1/charges/' || c.public_id || '/capture', \
+                          '/v1/charges/' || c.public_id || '/cancel') \
+         WHERE k.state = 'in_progress' \
+           AND (k.path LIKE '/v1/charges/%/capture' OR k.path LIKE '/v1/charges/%/cancel') \
+           AND (c.id IS NULL OR c.status <> 'requires_capture' OR c.claimed_by IS NOT k.op_id)",
+    ),
     // Per key, not only per op_id as `idem verify` checks: a key may come
     // back as a new request once its row is past retention, but the test's
     // retention (24 h) outlasts any run.
@@ -908,6 +1574,8 @@ const SQL_CHECKS: &[(&str, &str)] = &[
          HAVING count(*) > 1",
     ),
     (
+        // A refund moves the ledger first: its key completes once the
+        // acquirer has refunded too (recovery point 'applied' meanwhile).
         "at most once: an effect belongs to a completed key row of its own key",
         "SELECT 'charge ' || c.public_id || ' key ' || c.idempotency_key || ': key row ' \
          || coalesce(k.state || ' ' || k.key, 'missing') FROM charges c \
@@ -918,17 +1586,28 @@ const SQL_CHECKS: &[(&str, &str)] = &[
          SELECT 'refund ' || r.public_id || ' key ' || r.idempotency_key || ': key row ' \
          || coalesce(k.state || ' ' || k.key, 'missing') FROM refunds r \
          LEFT JOIN idempotency_keys k ON k.op_id = r.op_id \
-         WHERE k.id IS NULL OR k.state <> 'completed' OR k.key <> r.idempotency_key \
-         OR k.consumer_id <> r.consumer_id",
+         WHERE k.id IS NULL OR k.key <> r.idempotency_key OR k.consumer_id <> r.consumer_id \
+         OR NOT (k.state = 'completed' \
+           OR (k.state = 'in_progress' AND k.recovery_point = 'applied'))",
     ),
     (
+        // Each kind of operation at its own recovery points: a charge
+        // authorized (or declined after), a capture captured, a cancel
+        // voided, a refund applied.
         "structure: an in-progress key is one the reaper can finish",
-        "SELECT 'key ' || key || ' (' || op_id || ') in progress at ' || recovery_point \
-         || ' with request ' || request || ' authorization ' || coalesce(authorization, 'none') \
-         FROM idempotency_keys WHERE state = 'in_progress' AND (NOT json_valid(request) \
-         OR (recovery_point = 'authorized') <> (authorization IS NOT NULL) \
+        "SELECT 'key ' || key || ' (' || op_id || ') ' || path || ' in progress at ' \
+         || recovery_point || ' with request ' || request || ' authorization ' \
+         || coalesce(authorization, 'none') FROM idempotency_keys \
+         WHERE state = 'in_progress' AND (NOT json_valid(request) \
+         OR (recovery_point IN ('authorized', 'declined')) <> (authorization IS NOT NULL) \
+         OR (recovery_point IN ('declined', 'applied')) <> (response_status IS NOT NULL) \
          OR method <> 'POST' \
-         OR NOT (path = '/v1/charges' OR path LIKE '/v1/charges/%/refunds'))",
+         OR NOT CASE \
+           WHEN path = '/v1/charges' THEN recovery_point IN ('reserved', 'authorized', 'declined') \
+           WHEN path LIKE '/v1/charges/%/refunds' THEN recovery_point IN ('reserved', 'applied') \
+           WHEN path LIKE '/v1/charges/%/capture' THEN recovery_point IN ('reserved', 'captured') \
+           WHEN path LIKE '/v1/charges/%/cancel' THEN recovery_point IN ('reserved', 'voided') \
+           ELSE 0 END)",
     ),
     (
         "structure: a completed key has its answer",
@@ -972,7 +1651,7 @@ fn sql_problems(conn: &Connection) -> rusqlite::Result<Vec<String>> {
 
 /// Nothing acknowledged is lost, and the stored answer is the one the client
 /// saw: every answered intent has a completed key row with its exact status
-/// and bytes, and the effect its answer names (or none, for a decline).
+/// and bytes, and the effect its answer names (or none, for a refusal).
 fn record_problems(s: &Snapshot, records: &[Record]) -> Vec<String> {
     let mut problems = Vec::new();
     for record in records {
@@ -1013,10 +1692,7 @@ fn record_problems(s: &Snapshot, records: &[Record]) -> Vec<String> {
 fn effect_problem(s: &Snapshot, consumer_id: i64, record: &Record) -> Result<(), String> {
     let intent = &record.intent;
     let answer = &record.first;
-    let id = answer
-        .json()
-        .and_then(|b| b["id"].as_str().map(str::to_string))
-        .unwrap_or_default();
+    let id = answer.id().unwrap_or_default();
     let by_key = (consumer_id, intent.key.clone());
     let charges_of_key = s.charges_by_key.get(&by_key).map_or(0, Vec::len);
     let refunds_of_key = s.refunds_by_key.get(&by_key).map_or(0, Vec::len);
@@ -1027,6 +1703,7 @@ fn effect_problem(s: &Snapshot, consumer_id: i64, record: &Record) -> Result<(),
                 source,
                 destination,
                 reference,
+                capture,
                 ..
             },
             201,
@@ -1035,15 +1712,18 @@ fn effect_problem(s: &Snapshot, consumer_id: i64, record: &Record) -> Result<(),
                 .charges
                 .get(&id)
                 .ok_or(format!("lost: acknowledged charge {id} does not exist"))?;
+            // A sale stays captured; what became of a hold is for its
+            // captures and cancels (and, at the end, `hold_problems`).
             let same = c.consumer_id == consumer_id
                 && c.amount == *amount
                 && c.source == *source
                 && c.destination == *destination
                 && c.reference.as_deref() == Some(reference.as_str())
-                && c.key == intent.key;
+                && c.key == intent.key
+                && (!capture || (c.status == "succeeded" && c.amount_captured == *amount));
             if !same || charges_of_key != 1 {
                 return Err(format!(
-                    "charge {id} in the database: consumer {} {} {} {}->{} ref {:?} key {} \
+                    "charge {id} in the database: consumer {} {} {} {}->{} ref {:?} key {} {} \
                      ({charges_of_key} charges for this key)",
                     c.consumer_id,
                     c.amount,
@@ -1051,7 +1731,8 @@ fn effect_problem(s: &Snapshot, consumer_id: i64, record: &Record) -> Result<(),
                     c.source,
                     c.destination,
                     c.reference,
-                    c.key
+                    c.key,
+                    c.state()
                 ));
             }
         }
@@ -1101,125 +1782,325 @@ fn effect_problem(s: &Snapshot, consumer_id: i64, record: &Record) -> Result<(),
                 ));
             }
         }
+        (Kind::Capture { charge, .. } | Kind::Cancel { charge, .. }, status) => {
+            let c = s
+                .charges
+                .get(charge)
+                .ok_or(format!("lost: hold {charge} does not exist"))?;
+            if charges_of_key != 0 || refunds_of_key != 0 {
+                return Err(format!(
+                    "{charges_of_key} charges and {refunds_of_key} refunds carry its key"
+                ));
+            }
+            let body = answer.json().unwrap_or(Value::Null);
+            let holds = match (&intent.kind, status) {
+                (Kind::Capture { .. }, 200) => {
+                    c.status == "succeeded"
+                        && Some(c.amount_captured) == body["amount_captured"].as_i64()
+                }
+                (Kind::Cancel { .. }, 200) => {
+                    c.status == "canceled" && c.cancellation_reason.as_deref() == Some("requested")
+                }
+                // The acquirer was not called: see `journal_problems`.
+                _ => true,
+            };
+            if !holds {
+                return Err(format!(
+                    "answered {status} but charge {charge} is {} in the database",
+                    c.state()
+                ));
+            }
+        }
     }
     Ok(())
 }
 
-/// The acquirer simulator's journal of calls: at most one call made a new
-/// authorization per operation, and every charge carries the authorization
-/// its operation got, for its amount and currency.
-fn journal_problems(db: &Path, s: &Snapshot) -> Vec<String> {
-    let calls = match idem::acquirer::Simulator::journal(db) {
-        Ok(calls) => calls,
-        Err(e) => return vec![format!("acquirer journal: {e}")],
-    };
+fn call_kind(kind: CallKind) -> &'static str {
+    match kind {
+        CallKind::Authorize => "authorize",
+        CallKind::Capture => "capture",
+        CallKind::Void => "void",
+        CallKind::Refund => "refund",
+    }
+}
+
+/// The acquirer simulator's journal of calls against the ledger: at most
+/// one authorization, capture, void or refund made per key, at most one
+/// capture and one void per authorization; every call of a key answered with
+/// the authorization its key concerns; every charge carries the
+/// authorization its operation got, for its amount and currency; everything
+/// the acquirer did is in the ledger (or its operation is still in
+/// progress); and a capture or cancel answered 409 or 422 never called it.
+fn journal_problems(calls: &[Call], s: &Snapshot, records: &[Record]) -> Vec<String> {
     let mut problems = Vec::new();
-    let mut by_op: HashMap<&str, (&str, i64, &str)> = HashMap::new();
+    let mut made: HashMap<(&str, &str), &Call> = HashMap::new();
+    let mut captures: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    let mut voids: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for call in calls.iter().filter(|c| c.created) {
-        let made = (
-            call.authorization.as_str(),
-            call.amount,
-            call.currency.as_str(),
-        );
-        match by_op.entry(&call.key) {
+        let kind = call_kind(call.kind);
+        match made.entry((kind, call.key.as_str())) {
             Entry::Vacant(first) => {
-                first.insert(made);
+                first.insert(call);
             }
-            Entry::Occupied(_) => {
+            Entry::Occupied(_) if call.kind == CallKind::Authorize => {
                 problems.push(format!("acquirer authorized operation {} twice", call.key))
+            }
+            Entry::Occupied(_) => problems.push(format!(
+                "acquirer made a second {kind} under key {}",
+                call.key
+            )),
+        }
+        let per_authorization = match call.kind {
+            CallKind::Capture => &mut captures,
+            CallKind::Void => &mut voids,
+            _ => continue,
+        };
+        per_authorization
+            .entry(&call.authorization)
+            .or_default()
+            .push(&call.key);
+    }
+    for (verb, per_authorization) in [("captured", &captures), ("voided", &voids)] {
+        for (authorization, keys) in per_authorization {
+            if keys.len() > 1 {
+                problems.push(format!(
+                    "acquirer {verb} authorization {authorization} {} times, under keys {keys:?}",
+                    keys.len()
+                ));
             }
         }
     }
-    for call in &calls {
-        if by_op.get(call.key.as_str()).map(|m| m.0) != Some(call.authorization.as_str()) {
+    for call in calls {
+        let kind = call_kind(call.kind);
+        let first = made.get(&(kind, call.key.as_str()));
+        if first.map(|m| m.authorization.as_str()) != Some(call.authorization.as_str()) {
             problems.push(format!(
-                "acquirer answered {} with {}, not the authorization it made",
+                "acquirer answered {kind} {} with {}, not the authorization its key made or \
+                 concerns",
                 call.key, call.authorization
             ));
         }
     }
     for (id, c) in &s.charges {
         let expected = (c.authorization_id.as_str(), c.amount, c.currency.as_str());
-        match by_op.get(c.op_id.as_str()) {
-            Some(made) if *made == expected => {}
-            other => problems.push(format!(
-                "charge {id} ({}) carries authorization {:?}, the journal has {other:?}",
-                c.op_id, expected
-            )),
+        let got = made
+            .get(&("authorize", c.op_id.as_str()))
+            .map(|m| (m.authorization.as_str(), m.amount, m.currency.as_str()));
+        if got != Some(expected) {
+            problems.push(format!(
+                "charge {id} ({}) carries authorization {expected:?}, the journal has {got:?}",
+                c.op_id
+            ));
+        }
+    }
+    for call in made.values() {
+        if let Err(p) = call_in_ledger(call, s, &made) {
+            problems.push(p);
+        }
+    }
+    let called: HashSet<&str> = calls.iter().map(|c| c.key.as_str()).collect();
+    for r in records {
+        let refused = r.first.status != 200 && r.intent.kind.settles().is_some();
+        let at = (s.consumer_ids[r.intent.consumer], r.intent.key.clone());
+        if let Some(k) = s
+            .keys
+            .get(&at)
+            .filter(|k| refused && called.contains(&*k.op_id))
+        {
+            problems.push(format!(
+                "{} key {} answered {} yet the acquirer was called under its operation {}",
+                r.intent.path, r.intent.key, r.first.status, k.op_id
+            ));
         }
     }
     problems
 }
 
+/// What the acquirer did under one key, as the ledger must show it.
+fn call_in_ledger(
+    call: &Call,
+    s: &Snapshot,
+    made: &HashMap<(&str, &str), &Call>,
+) -> Result<(), String> {
+    let key = call.key.as_str();
+    let charge = s
+        .charges_by_authorization
+        .get(&call.authorization)
+        .and_then(|id| s.charges.get(id).map(|c| (id.as_str(), c)));
+    let shown = || {
+        charge.map_or("no charge".to_string(), |(id, c)| {
+            format!("{id} {}", c.state())
+        })
+    };
+    let path_of = |op: &str| s.key_of_op(op).map(|k| k.path.as_str());
+    let ok = match call.kind {
+        // Its charge exists, or its operation is still going, or the
+        // ledger declined it and it was voided.
+        CallKind::Authorize => {
+            s.charges_by_op.contains_key(key)
+                || s.in_progress(key)
+                || made.contains_key(&("void", format!("{key}:void").as_str()))
+        }
+        CallKind::Capture => {
+            s.in_progress(key)
+                || charge.is_some_and(|(id, c)| {
+                    c.status == "succeeded"
+                        && c.amount_captured == call.amount
+                        && path_of(key) == Some(format!("/v1/charges/{id}/capture").as_str())
+                })
+        }
+        CallKind::Void => {
+            if let Some(expired) = key.strip_prefix("expire:") {
+                charge.is_some_and(|(id, c)| {
+                    id == expired
+                        && (c.cancellation_reason.as_deref() == Some("expired")
+                            || (c.status == "requires_capture"
+                                && c.claimed_by.as_deref() == Some("expiry")))
+                })
+            } else if let Some(op) = key.strip_suffix(":void") {
+                // A charge declined after its authorization: no charge.
+                !s.charges_by_op.contains_key(op) && s.key_of_op(op).is_some()
+            } else {
+                s.in_progress(key)
+                    || charge.is_some_and(|(id, c)| {
+                        c.cancellation_reason.as_deref() == Some("requested")
+                            && path_of(key) == Some(format!("/v1/charges/{id}/cancel").as_str())
+                    })
+            }
+        }
+        CallKind::Refund => s
+            .refunds_by_op
+            .get(key)
+            .and_then(|id| s.refunds.get(id))
+            .is_some_and(|r| {
+                r.amount == call.amount
+                    && s.charges.get(&r.charge).map(|c| &c.authorization_id)
+                        == Some(&call.authorization)
+            }),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "the acquirer's {} of {} for {} under key {key} is not in the ledger, which has {}",
+            call_kind(call.kind),
+            call.amount,
+            call.authorization,
+            shown()
+        ))
+    }
+}
+
 /// Every check on a quiescent file (the child is dead): SQL, the answers
 /// clients saw, the acquirer journal, then `idem verify`.
-fn check_quiescent(ctx: &Ctx, db: &Path, records: &[Record]) -> Snapshot {
+fn check_quiescent(ctx: &Ctx, db: &Path, records: &[Record]) -> (Snapshot, Vec<Call>) {
+    let (problems, snapshot, calls) = quiescent_problems(ctx, db, records);
+    ctx.check(problems);
+    (snapshot, calls)
+}
+
+/// What [`check_quiescent`] finds, and what it read.
+fn quiescent_problems(
+    ctx: &Ctx,
+    db: &Path,
+    records: &[Record],
+) -> (Vec<String>, Snapshot, Vec<Call>) {
     let conn = open_read_only(db).unwrap_or_else(|e| ctx.fail(&[format!("open db: {e}")]));
     let mut problems = sql_problems(&conn).unwrap_or_else(|e| vec![format!("sql checks: {e}")]);
     let snapshot = read_snapshot(&conn).unwrap_or_else(|e| ctx.fail(&[format!("read db: {e}")]));
     drop(conn);
     problems.extend(record_problems(&snapshot, records));
-    problems.extend(journal_problems(db, &snapshot));
+    let calls = Simulator::journal(db).unwrap_or_else(|e| {
+        problems.push(format!("acquirer journal: {e}"));
+        Vec::new()
+    });
+    problems.extend(journal_problems(&calls, &snapshot, records));
     let (code, report) = support::verify_cli(db);
     if code != 0 {
         problems.push(format!("idem verify exited {code}:\n{report}"));
     }
-    ctx.check(problems);
-    snapshot
+    (problems, snapshot, calls)
 }
 
-/// At the end, with every intent answered: the database holds exactly the
-/// effects the answers name — no charge or refund nobody was told of — and
-/// every balance is what those answers add up to.
+/// At the end, with every intent answered and every hold settled: the
+/// database holds exactly the effects the answers name — no charge or
+/// refund nobody was told of — and every balance is what those answers add
+/// up to (a sale moves its amount, a hold what its capture answered).
 fn model_problems(s: &Snapshot, records: &[Record]) -> Vec<String> {
     let mut problems = Vec::new();
     let mut charges: HashSet<&str> = HashSet::new();
     let mut refunds: HashSet<&str> = HashSet::new();
     let mut expected: HashMap<(i64, String), i64> = HashMap::new();
     let mut charge_accounts: HashMap<String, (i64, &str, &str)> = HashMap::new();
+    let mut moved: Vec<(&str, i64)> = Vec::new();
     for r in records {
-        if let (
-            Kind::Charge {
-                source,
-                destination,
-                amount,
-                ..
-            },
-            201,
-        ) = (&r.intent.kind, r.first.status)
-        {
-            let consumer_id = s.consumer_ids[r.intent.consumer];
-            let id = r.first.json().unwrap()["id"].as_str().unwrap().to_string();
-            *expected
-                .entry((consumer_id, source.to_string()))
-                .or_default() -= amount;
-            *expected
-                .entry((consumer_id, destination.to_string()))
-                .or_default() += amount;
-            charge_accounts.insert(id, (consumer_id, source, destination));
-        }
-    }
-    for r in records {
-        let id = r
-            .first
-            .json()
-            .and_then(|b| b["id"].as_str().map(str::to_string));
-        match (&r.intent.kind, r.first.status, id) {
-            (Kind::Charge { .. }, 201, Some(id)) => {
+        let consumer_id = s.consumer_ids[r.intent.consumer];
+        let id = r.first.id().unwrap_or_default();
+        match (&r.intent.kind, r.first.status) {
+            (
+                Kind::Charge {
+                    source,
+                    destination,
+                    amount,
+                    capture,
+                    ..
+                },
+                201,
+            ) => {
                 charges.insert(s.charges.get_key_value(&id).map_or("", |(k, _)| k.as_str()));
+                charge_accounts.insert(id, (consumer_id, source, destination));
+                if *capture {
+                    moved.push((&r.intent.key, *amount));
+                }
             }
-            (Kind::Refund { charge, .. }, 201, Some(id)) => {
-                let amount = r.first.json().unwrap()["amount"].as_i64().unwrap_or(0);
-                let (consumer_id, source, destination) = charge_accounts[charge];
-                *expected
-                    .entry((consumer_id, source.to_string()))
-                    .or_default() += amount;
-                *expected
-                    .entry((consumer_id, destination.to_string()))
-                    .or_default() -= amount;
-                refunds.insert(s.refunds.get_key_value(&id).map_or("", |(k, _)| k.as_str()));
+            (Kind::Capture { .. }, 200) => {
+                let captured = r.first.json().unwrap()["amount_captured"]
+                    .as_i64()
+                    .unwrap_or(0);
+                moved.push((&r.intent.key, captured));
             }
             _ => {}
+        }
+    }
+    let key_charge: HashMap<&str, String> = records
+        .iter()
+        .filter_map(|r| match (&r.intent.kind, r.first.status) {
+            (Kind::Charge { .. }, 201) => Some((r.intent.key.as_str(), r.first.id()?)),
+            (Kind::Capture { charge, .. }, 200) => Some((r.intent.key.as_str(), charge.clone())),
+            _ => None,
+        })
+        .collect();
+    for (key, amount) in moved {
+        let accounts = key_charge.get(key).and_then(|c| charge_accounts.get(c));
+        let Some(&(consumer_id, source, destination)) = accounts else {
+            problems.push(format!(
+                "key {key} moved {amount} of a charge no answer created"
+            ));
+            continue;
+        };
+        *expected
+            .entry((consumer_id, source.to_string()))
+            .or_default() -= amount;
+        *expected
+            .entry((consumer_id, destination.to_string()))
+            .or_default() += amount;
+    }
+    for r in records {
+        if let (Kind::Refund { charge, .. }, 201, Some(id)) =
+            (&r.intent.kind, r.first.status, r.first.id())
+        {
+            let amount = r.first.json().unwrap()["amount"].as_i64().unwrap_or(0);
+            let Some(&(consumer_id, source, destination)) = charge_accounts.get(charge) else {
+                problems.push(format!("refund {id} of {charge}, which no answer created"));
+                continue;
+            };
+            *expected
+                .entry((consumer_id, source.to_string()))
+                .or_default() += amount;
+            *expected
+                .entry((consumer_id, destination.to_string()))
+                .or_default() -= amount;
+            refunds.insert(s.refunds.get_key_value(&id).map_or("", |(k, _)| k.as_str()));
         }
     }
     for (id, c) in &s.charges {
@@ -1246,6 +2127,86 @@ fn model_problems(s: &Snapshot, records: &[Record]) -> Vec<String> {
     problems
 }
 
+/// At the end, every hold is settled as its answers say: captured by its one
+/// capture answered 200 (for as much), canceled by its one cancel answered
+/// 200, or — when nothing won — expired (`cancellation_reason: expired`).
+/// And a capture or cancel answered 409 before its hold expired lost to
+/// another capture or cancel of it, answered 200: before the expiry nothing
+/// else can claim or settle a hold, and whoever claims it ends with 200.
+fn hold_problems(s: &Snapshot, records: &[Record]) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut holds: BTreeMap<String, (i64, Vec<&Record>)> = BTreeMap::new();
+    for r in records {
+        if let (Kind::Charge { capture: false, .. }, 201) = (&r.intent.kind, r.first.status) {
+            let body = r.first.json().unwrap_or(Value::Null);
+            let expires_at = time_of(&body, "expires_at").unwrap_or(i64::MIN);
+            holds.insert(r.first.id().unwrap_or_default(), (expires_at, Vec::new()));
+        }
+    }
+    for r in records {
+        if let Some(charge) = r.intent.kind.settles() {
+            match holds.get_mut(charge) {
+                Some((_, tries)) => tries.push(r),
+                None => problems.push(format!(
+                    "{} key {} aims at {charge}, which no client was told is a hold",
+                    r.intent.path, r.intent.key
+                )),
+            }
+        }
+    }
+    for (id, (expires_at, tries)) in &holds {
+        let Some(c) = s.charges.get(id) else {
+            continue; // lost: `record_problems` says so
+        };
+        let winners: Vec<&&Record> = tries.iter().filter(|r| r.first.status == 200).collect();
+        let told: Vec<String> = tries
+            .iter()
+            .map(|r| format!("{} {}", r.intent.tag, r.first.status))
+            .collect();
+        let settled = match (
+            c.status.as_str(),
+            c.cancellation_reason.as_deref(),
+            &winners[..],
+        ) {
+            ("succeeded", _, [w]) => {
+                matches!(w.intent.kind, Kind::Capture { .. })
+                    && w.first.json().unwrap()["amount_captured"].as_i64()
+                        == Some(c.amount_captured)
+            }
+            ("canceled", Some("requested"), [w]) => matches!(w.intent.kind, Kind::Cancel { .. }),
+            ("canceled", Some("expired"), []) => true,
+            _ => false,
+        };
+        if c.status == "requires_capture" {
+            problems.push(format!(
+                "hold {id} is still held after the drain ({}, expired at {})",
+                c.state(),
+                idem::time::rfc3339(*expires_at)
+            ));
+        } else if !settled {
+            problems.push(format!(
+                "hold {id} ended {} but its captures and cancels were answered {told:?}",
+                c.state()
+            ));
+        }
+        for r in tries {
+            let lost_to_another = winners.iter().any(|w| w.intent.key != r.intent.key);
+            if r.first.status == 409 && r.first.received_ms < *expires_at && !lost_to_another {
+                problems.push(format!(
+                    "{} key {} was answered 409 at {}, before hold {id} expired at {}, and no \
+                     other capture or cancel of it won: {}",
+                    r.intent.path,
+                    r.intent.key,
+                    idem::time::rfc3339(r.first.received_ms),
+                    idem::time::rfc3339(*expires_at),
+                    r.first.text()
+                ));
+            }
+        }
+    }
+    problems
+}
+
 fn in_progress_keys(db: &Path) -> rusqlite::Result<Vec<String>> {
     let conn = open_read_only(db)?;
     let keys = conn
@@ -1258,17 +2219,36 @@ fn in_progress_keys(db: &Path) -> rusqlite::Result<Vec<String>> {
     Ok(keys)
 }
 
-/// Waits (bounded) until the reaper has resolved every in-progress key.
-fn drain(ctx: &Ctx, db: &Path) {
-    let deadline = Instant::now() + DRAIN_DEADLINE;
+fn open_holds(db: &Path) -> rusqlite::Result<Vec<String>> {
+    let conn = open_read_only(db)?;
+    let holds = conn
+        .prepare(
+            "SELECT public_id || ' expires_at ' || expires_at || ' claimed by ' \
+             || coalesce(claimed_by, 'nobody') FROM charges WHERE status = 'requires_capture'",
+        )?
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(holds)
+}
+
+/// Waits (bounded) until `left` finds nothing: the reaper has resolved every
+/// in-progress key, or voided and released every hold.
+fn drain(
+    ctx: &Ctx,
+    db: &Path,
+    what: &str,
+    within: Duration,
+    find: fn(&Path) -> rusqlite::Result<Vec<String>>,
+) {
+    let deadline = Instant::now() + within;
     loop {
-        let left = in_progress_keys(db).unwrap_or_else(|e| vec![format!("read db: {e}")]);
+        let left = find(db).unwrap_or_else(|e| vec![format!("read db: {e}")]);
         if left.is_empty() {
             return;
         }
         if Instant::now() > deadline {
             let mut problems = vec![format!(
-                "{} key(s) still in progress {DRAIN_DEADLINE:?} after the clients stopped",
+                "{} {what} still there {within:?} after the clients stopped",
                 left.len()
             )];
             problems.extend(left);
@@ -1360,14 +2340,16 @@ fn replay_all(ctx: &Ctx, shared: &Shared, records: &[Record]) {
     ctx.check(problems);
 }
 
-/// When to kill, counted from "listening": a quarter of the kills land
-/// during startup (the reaper's first pass, takeovers of the last crash's
-/// orphans), the rest under steady load.
+/// When to kill, counted from "listening": a fifth of the kills land during
+/// startup (takeovers of the last crash's orphans by retries), a fifth
+/// around the reaper's first pass (orphans, then the holds that expired
+/// while the child was down: expiries cut short), the rest under steady
+/// load.
 fn kill_delay(rng: &mut Rng) -> Duration {
-    let ms = if rng.percent(25) {
-        rng.between(0, 40)
-    } else {
-        rng.between(50, 600)
+    let ms = match rng.below(100) {
+        0..=19 => rng.between(0, 40),
+        20..=39 => rng.between(190, 320),
+        _ => rng.between(50, 600),
     };
     Duration::from_millis(ms)
 }
@@ -1381,13 +2363,20 @@ fn take_failures(shared: &Shared) -> Vec<String> {
 struct Figures {
     databases: u64,
     kills: u64,
+    /// Found in the file after the kills: keys in progress, of them captures
+    /// and cancels, and holds claimed by an expiry (of them, voided at the
+    /// acquirer already).
     orphans_at_kills: u64,
+    settling_at_kills: u64,
+    expiries_cut: u64,
+    expiries_cut_after_void: u64,
     answered: u64,
-    charges_acked: u64,
-    charges_declined: u64,
-    refunds_acked: u64,
-    refunds_refused: u64,
-    reference_replays: u64,
+    /// Answers by what the intent was (its tag) and status.
+    by_tag: BTreeMap<&'static str, BTreeMap<u16, u64>>,
+    races: u64,
+    races_won_by_capture: u64,
+    races_won_by_cancel: u64,
+    races_won_by_nobody: u64,
     abandoned: u64,
     abandoned_finished: u64,
     requests: u64,
@@ -1399,7 +2388,12 @@ struct Figures {
     replays_mid_run: u64,
     replays_at_end: u64,
     charges_in_db: u64,
+    holds_captured: u64,
+    holds_canceled: u64,
+    holds_expired: u64,
     refunds_in_db: u64,
+    /// Calls that made something at the acquirer, by kind (voids by why).
+    acquirer_made: BTreeMap<&'static str, u64>,
 }
 
 impl Figures {
@@ -1408,12 +2402,14 @@ impl Figures {
             (&mut self.databases, o.databases),
             (&mut self.kills, o.kills),
             (&mut self.orphans_at_kills, o.orphans_at_kills),
+            (&mut self.settling_at_kills, o.settling_at_kills),
+            (&mut self.expiries_cut, o.expiries_cut),
+            (&mut self.expiries_cut_after_void, o.expiries_cut_after_void),
             (&mut self.answered, o.answered),
-            (&mut self.charges_acked, o.charges_acked),
-            (&mut self.charges_declined, o.charges_declined),
-            (&mut self.refunds_acked, o.refunds_acked),
-            (&mut self.refunds_refused, o.refunds_refused),
-            (&mut self.reference_replays, o.reference_replays),
+            (&mut self.races, o.races),
+            (&mut self.races_won_by_capture, o.races_won_by_capture),
+            (&mut self.races_won_by_cancel, o.races_won_by_cancel),
+            (&mut self.races_won_by_nobody, o.races_won_by_nobody),
             (&mut self.abandoned, o.abandoned),
             (&mut self.abandoned_finished, o.abandoned_finished),
             (&mut self.requests, o.requests),
@@ -1425,36 +2421,62 @@ impl Figures {
             (&mut self.replays_mid_run, o.replays_mid_run),
             (&mut self.replays_at_end, o.replays_at_end),
             (&mut self.charges_in_db, o.charges_in_db),
+            (&mut self.holds_captured, o.holds_captured),
+            (&mut self.holds_canceled, o.holds_canceled),
+            (&mut self.holds_expired, o.holds_expired),
             (&mut self.refunds_in_db, o.refunds_in_db),
         ];
         for (mine, theirs) in pairs {
             *mine += theirs;
+        }
+        for (tag, statuses) in &o.by_tag {
+            let mine = self.by_tag.entry(*tag).or_default();
+            for (status, n) in statuses {
+                *mine.entry(*status).or_default() += n;
+            }
+        }
+        for (kind, n) in &o.acquirer_made {
+            *self.acquirer_made.entry(*kind).or_default() += n;
         }
     }
 }
 
 impl std::fmt::Display for Figures {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
+        writeln!(
             f,
-            "{} kills on {} database(s), {} in-progress keys found in the file after them; \
-             {} intents answered ({} charges acked 201, {} declined 402; {} refunds acked 201, \
-             {} refused 402/422; {} reference replays); {} abandoned after one attempt ({} \
-             reserved and finished without their client, the rest never reserved); {} requests, \
-             {} of them retries (after {} connection errors, {} 409, {} 503, {} async 202); {} \
-             replays compared byte for byte ({} during the run, {} at the end); {} charges and \
-             {} refunds in the databases",
+            "{} kills on {} database(s); found in the file after them: {} keys in progress \
+             ({} of them captures or cancels), {} expiries cut short ({} after the acquirer's \
+             void)",
             self.kills,
             self.databases,
             self.orphans_at_kills,
-            self.answered,
-            self.charges_acked,
-            self.charges_declined,
-            self.refunds_acked,
-            self.refunds_refused,
-            self.reference_replays,
+            self.settling_at_kills,
+            self.expiries_cut,
+            self.expiries_cut_after_void,
+        )?;
+        writeln!(f, "  {} intents answered:", self.answered)?;
+        for (tag, statuses) in &self.by_tag {
+            let shown: Vec<String> = statuses.iter().map(|(s, n)| format!("{n}×{s}")).collect();
+            writeln!(f, "    {tag}: {}", shown.join(", "))?;
+        }
+        writeln!(
+            f,
+            "  {} races (won by the capture {}, by the cancel {}, by nobody {}); {} abandoned \
+             after one attempt ({} reserved and finished without their client, the rest never \
+             reserved)",
+            self.races,
+            self.races_won_by_capture,
+            self.races_won_by_cancel,
+            self.races_won_by_nobody,
             self.abandoned,
             self.abandoned_finished,
+        )?;
+        writeln!(
+            f,
+            "  {} requests, {} of them retries (after {} connection errors, {} 409 in use, {} \
+             503, {} async 202); {} replays compared byte for byte ({} during the run, {} at \
+             the end)",
             self.requests,
             self.retries,
             self.connection_errors,
@@ -1464,8 +2486,22 @@ impl std::fmt::Display for Figures {
             self.replays_mid_run + self.replays_at_end,
             self.replays_mid_run,
             self.replays_at_end,
+        )?;
+        let made: Vec<String> = self
+            .acquirer_made
+            .iter()
+            .map(|(k, n)| format!("{n} {k}"))
+            .collect();
+        write!(
+            f,
+            "  in the databases: {} charges ({} holds captured, {} canceled, {} expired) and {} \
+             refunds; the acquirer made {}",
             self.charges_in_db,
+            self.holds_captured,
+            self.holds_canceled,
+            self.holds_expired,
             self.refunds_in_db,
+            made.join(", ")
         )
     }
 }
@@ -1519,6 +2555,16 @@ fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
     );
 }
 
+/// The end of a database, on the quiescent file: every check after a kill,
+/// then the answers against the whole ledger and every hold settled.
+fn check_end(ctx: &Ctx, db: &Path, records: &[Record]) -> (Snapshot, Vec<Call>) {
+    let (mut problems, snapshot, calls) = quiescent_problems(ctx, db, records);
+    problems.extend(model_problems(&snapshot, records));
+    problems.extend(hold_problems(&snapshot, records));
+    ctx.check(problems);
+    (snapshot, calls)
+}
+
 /// One database: clients run while the child is killed `kills` times, each
 /// kill followed by every check; then the end checks.
 fn run_database(seed: u64, kills: u32) -> Figures {
@@ -1556,7 +2602,14 @@ fn run_database(seed: u64, kills: u32) -> Figures {
 
     let mut rng = Rng::new(seed);
     let mut panics = Vec::new();
-    let mut orphans_at_kills = 0;
+    // Holds found claimed by an expiry after a kill: the next passes must
+    // finish each one.
+    let mut cut_short: BTreeMap<String, String> = BTreeMap::new();
+    let mut figures = Figures {
+        databases: 1,
+        kills: u64::from(kills),
+        ..Figures::default()
+    };
     for n in 1..=kills {
         std::thread::sleep(kill_delay(&mut rng));
         panics.extend(kill(&shared, server));
@@ -1565,9 +2618,31 @@ fn run_database(seed: u64, kills: u32) -> Figures {
         problems.extend(panics.iter().map(|p| format!("server stderr: {p}")));
         at.check(problems);
         let records = shared.answered.lock().unwrap().clone();
-        let snapshot = check_quiescent(&at, &db, &records);
-        let orphans = snapshot.keys.values().filter(|k| k.state == "in_progress");
-        orphans_at_kills += orphans.count() as u64;
+        let (snapshot, calls) = check_quiescent(&at, &db, &records);
+        for k in snapshot.keys.values().filter(|k| k.state == "in_progress") {
+            figures.orphans_at_kills += 1;
+            if k.path.ends_with("/capture") || k.path.ends_with("/cancel") {
+                figures.settling_at_kills += 1;
+            }
+        }
+        let voided: HashSet<&str> = calls
+            .iter()
+            .filter(|c| c.kind == CallKind::Void)
+            .map(|c| c.key.as_str())
+            .collect();
+        for (id, c) in &snapshot.charges {
+            if c.claimed_by.as_deref() == Some("expiry") {
+                figures.expiries_cut += 1;
+                let void = voided.contains(format!("expire:{id}").as_str());
+                figures.expiries_cut_after_void += u64::from(void);
+                let when = if void {
+                    "after its void"
+                } else {
+                    "before its void"
+                };
+                cut_short.insert(id.clone(), format!("cut short by kill {n} {when}"));
+            }
+        }
         server = start_server(&at, &db);
         *shared.addr.write().unwrap() = Some(server.addr);
     }
@@ -1578,37 +2653,80 @@ fn run_database(seed: u64, kills: u32) -> Figures {
         client.join().expect("client thread");
     }
     end.check(take_failures(&shared));
-    drain(&end, &db);
-    let abandoned = shared.abandoned.lock().unwrap().len() as u64;
-    let finished = resolve_abandoned(&end, &shared, &db);
+    let keys_in_progress = "key(s) in progress";
+    drain(
+        &end,
+        &db,
+        keys_in_progress,
+        DRAIN_DEADLINE,
+        in_progress_keys,
+    );
+    figures.abandoned = shared.abandoned.lock().unwrap().len() as u64;
+    figures.abandoned_finished = resolve_abandoned(&end, &shared, &db) as u64;
     let records = shared.answered.lock().unwrap().clone();
     let replays_mid_run = shared.stats.replays_compared.load(Ordering::Relaxed);
     replay_all(&end, &shared, &records);
-    drain(&end, &db);
+    drain(
+        &end,
+        &db,
+        keys_in_progress,
+        DRAIN_DEADLINE,
+        in_progress_keys,
+    );
+    let ttl = Duration::from_millis(AUTHORIZATION_TTL_MS as u64);
+    drain(&end, &db, "hold(s)", ttl + DRAIN_DEADLINE, open_holds);
     panics.extend(kill(&shared, server));
     let mut problems = take_failures(&shared);
     problems.extend(panics.iter().map(|p| format!("server stderr: {p}")));
     end.check(problems);
-    let snapshot = check_quiescent(&end, &db, &records);
-    end.check(model_problems(&snapshot, &records));
+    let (snapshot, calls) = check_end(&end, &db, &records);
+    let unfinished: Vec<String> = cut_short
+        .iter()
+        .filter_map(|(id, when)| {
+            let c = snapshot.charges.get(id)?;
+            let finished = c.cancellation_reason.as_deref() == Some("expired");
+            (!finished).then(|| format!("the expiry of {id}, {when}, ended {}", c.state()))
+        })
+        .collect();
+    end.check(unfinished);
 
-    let count = |f: &dyn Fn(&Record) -> bool| records.iter().filter(|r| f(r)).count() as u64;
-    let charge = |r: &Record| matches!(r.intent.kind, Kind::Charge { .. });
-    let refund = |r: &Record| matches!(r.intent.kind, Kind::Refund { .. });
+    for r in &records {
+        *figures
+            .by_tag
+            .entry(r.intent.tag)
+            .or_default()
+            .entry(r.first.status)
+            .or_default() += 1;
+    }
+    for c in calls.iter().filter(|c| c.created) {
+        let kind = match (c.kind, c.key.as_str()) {
+            (CallKind::Void, key) if key.starts_with("expire:") => "void (expiry)",
+            (CallKind::Void, key) if key.ends_with(":void") => "void (decline)",
+            (CallKind::Void, _) => "void (cancel)",
+            (kind, _) => call_kind(kind),
+        };
+        *figures.acquirer_made.entry(kind).or_default() += 1;
+    }
+    let holds = |status: &str, reason: Option<&str>| {
+        snapshot
+            .charges
+            .values()
+            .filter(|c| c.status == status && c.cancellation_reason.as_deref() == reason)
+            .count() as u64
+    };
+    let captures: HashSet<&str> = records
+        .iter()
+        .filter(|r| r.first.status == 200 && matches!(r.intent.kind, Kind::Capture { .. }))
+        .filter_map(|r| r.intent.kind.settles())
+        .collect();
     let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
     let stats = &shared.stats;
     Figures {
-        databases: 1,
-        kills: u64::from(kills),
-        orphans_at_kills,
         answered: records.len() as u64,
-        charges_acked: count(&|r| charge(r) && r.first.status == 201),
-        charges_declined: count(&|r| charge(r) && r.first.status == 402),
-        refunds_acked: count(&|r| refund(r) && r.first.status == 201),
-        refunds_refused: count(&|r| refund(r) && r.first.status != 201),
-        reference_replays: count(&|r| matches!(r.intent.kind, Kind::ReferenceReplay { .. })),
-        abandoned,
-        abandoned_finished: finished as u64,
+        races: get(&stats.races),
+        races_won_by_capture: get(&stats.races_won_by_capture),
+        races_won_by_cancel: get(&stats.races_won_by_cancel),
+        races_won_by_nobody: get(&stats.races_won_by_nobody),
         requests: get(&stats.attempts),
         retries: get(&stats.retries),
         connection_errors: get(&stats.connection_errors),
@@ -1618,90 +2736,339 @@ fn run_database(seed: u64, kills: u32) -> Figures {
         replays_mid_run,
         replays_at_end: get(&stats.replays_compared) - replays_mid_run,
         charges_in_db: snapshot.charges.len() as u64,
+        holds_captured: captures.len() as u64,
+        holds_canceled: holds("canceled", Some("requested")),
+        holds_expired: holds("canceled", Some("expired")),
         refunds_in_db: snapshot.refunds.len() as u64,
+        ..figures
     }
 }
 
 /// A way a bug could leave the file, and the words the checks must say.
 struct Tampering {
     name: &'static str,
+    /// Run on a copy of the ledger, with the copy of the acquirer
+    /// simulator's file attached as `acquirer`.
     sql: &'static str,
-    /// Run on the copy of the acquirer simulator's file.
-    acquirer_sql: &'static str,
     expect: &'static str,
 }
 
-/// The file holds one acknowledged charge of 700 from `fund_brl` to
-/// `shop_brl_a` (for each of the three consumers' accounts, the statements
-/// touch only that one charge's rows).
+/// The file holds, for consumer `torture-0` (see `checks_file`): a sale of
+/// 700 from `fund_brl` to `shop_brl_a` (reference `checks-ref`); a hold of
+/// 1000 from `fund_brl` to `shop_brl_b` captured for 600 and refunded 100
+/// (`checks-ref-1`); a hold of 300 from `shop_brl_a` to `shop_brl_c`,
+/// canceled, then refused a capture (`checks-ref-2`); a hold of 200 from
+/// `fund_brl` to `shop_brl_c` left to expire, then refused a capture
+/// (`checks-ref-3`).
 const TAMPERINGS: &[Tampering] = &[
     Tampering {
         name: "an acknowledged charge is lost (balances fixed up to hide it)",
-        sql: "DELETE FROM entries; DELETE FROM charges; UPDATE accounts SET balance = 0;",
-        acquirer_sql: "",
+        sql: "DELETE FROM entries WHERE charge_id = \
+              (SELECT id FROM charges WHERE reference = 'checks-ref'); \
+              DELETE FROM charges WHERE reference = 'checks-ref'; \
+              UPDATE accounts SET balance = \
+              (SELECT coalesce(sum(e.amount), 0) FROM entries e WHERE e.account_id = accounts.id);",
         expect: "lost: acknowledged charge",
     },
     Tampering {
         name: "the stored answer differs from the one the client saw",
-        sql: "UPDATE idempotency_keys SET response_body = CAST(replace(CAST(response_body AS TEXT), \
+        sql:
+            "UPDATE idempotency_keys SET response_body = CAST(replace(CAST(response_body AS TEXT), \
               '\"amount\":700', '\"amount\":701') AS BLOB);",
-        acquirer_sql: "",
         expect: "client saw 201",
     },
     Tampering {
         name: "one key moved money twice (consistently, so the sums still hold)",
         sql: "INSERT INTO charges (consumer_id, public_id, amount, currency, source_id, \
               destination_id, reference, metadata, fingerprint, op_id, idempotency_key, \
-              authorization_id, created_at) SELECT consumer_id, public_id || 'x', amount, currency, \
-              source_id, destination_id, NULL, metadata, fingerprint, op_id || 'x', \
-              idempotency_key, authorization_id, created_at FROM charges; \
+              authorization_id, created_at, status, amount_captured) SELECT consumer_id, \
+              public_id || 'x', amount, currency, source_id, destination_id, NULL, metadata, \
+              fingerprint, op_id || 'x', idempotency_key, authorization_id, created_at, status, \
+              amount_captured FROM charges WHERE reference = 'checks-ref'; \
               INSERT INTO entries (public_id, account_id, amount, charge_id, created_at) \
-              SELECT public_id || 'x', account_id, amount, (SELECT max(id) FROM charges), \
-              created_at FROM entries; UPDATE accounts SET balance = 2 * balance;",
-        acquirer_sql: "",
+              SELECT e.public_id || 'x', e.account_id, e.amount, (SELECT max(id) FROM charges), \
+              e.created_at FROM entries e JOIN charges c ON c.id = e.charge_id \
+              WHERE c.reference = 'checks-ref'; \
+              UPDATE accounts SET balance = \
+              (SELECT coalesce(sum(e.amount), 0) FROM entries e WHERE e.account_id = accounts.id);",
         expect: "at most once: one charge per (consumer, key)",
     },
     Tampering {
         name: "money created out of nothing",
         sql: "UPDATE accounts SET balance = balance + 1 WHERE public_id = 'shop_brl_a';",
-        acquirer_sql: "",
         expect: "conservation: balances sum to zero",
     },
     Tampering {
         name: "a merchant below zero",
-        sql: "UPDATE entries SET amount = -amount; UPDATE accounts SET balance = -balance;",
-        acquirer_sql: "",
+        sql: "UPDATE entries SET amount = -amount WHERE charge_id = \
+              (SELECT id FROM charges WHERE reference = 'checks-ref'); \
+              UPDATE accounts SET balance = \
+              (SELECT coalesce(sum(e.amount), 0) FROM entries e WHERE e.account_id = accounts.id);",
         expect: "shop_brl_a is at -700",
     },
     Tampering {
         name: "an effect committed while its key is still in progress",
         sql: "UPDATE idempotency_keys SET state = 'in_progress', response_status = NULL, \
               response_body = NULL, completed_at = NULL;",
-        acquirer_sql: "",
         expect: "an effect belongs to a completed key row",
     },
     Tampering {
         name: "an entry pointing at no account",
         sql: "PRAGMA foreign_keys = OFF; UPDATE entries SET account_id = 9999 \
               WHERE id = (SELECT min(id) FROM entries);",
-        acquirer_sql: "",
         expect: "foreign_key_check",
     },
     Tampering {
         name: "the acquirer authorized one operation twice",
-        sql: "",
         // As if the simulator had forgotten the key (a lost file, a prune
         // too early) and the takeover had been authorized afresh.
-        acquirer_sql: "INSERT INTO calls (kind, key, authorization_id, amount, currency, created, \
-                       timed_out, at) SELECT kind, key, authorization_id || 'x', amount, \
-                       currency, 1, 0, at FROM calls;",
+        sql: "INSERT INTO acquirer.calls (kind, key, authorization_id, amount, currency, \
+              created, timed_out, at) SELECT kind, key, authorization_id || 'x', amount, \
+              currency, 1, 0, at FROM acquirer.calls WHERE kind = 'authorize';",
         expect: "authorized operation",
+    },
+    Tampering {
+        name: "an account's held is off: it holds what no open hold adds up to",
+        sql: "UPDATE accounts SET held = held + 250 WHERE public_id = 'fund_brl';",
+        expect: "holds: held and pending_credit are what the open holds on an account add up to",
+    },
+    Tampering {
+        name: "a merchant holds more than its balance",
+        sql: "UPDATE accounts SET held = balance + 1 WHERE public_id = 'shop_brl_b';",
+        expect: "holds: no merchant has less available than 0",
+    },
+    Tampering {
+        name: "a partial capture posted the whole authorization",
+        sql: "UPDATE entries SET amount = amount / 600 * 1000 WHERE refund_id IS NULL \
+              AND charge_id = (SELECT id FROM charges WHERE reference = 'checks-ref-1'); \
+              UPDATE accounts SET balance = \
+              (SELECT coalesce(sum(e.amount), 0) FROM entries e WHERE e.account_id = accounts.id);",
+        expect: "(succeeded, captured 600) has entries",
+    },
+    Tampering {
+        name: "the ledger says a capture took the whole authorization; the client was told 600",
+        sql: "UPDATE charges SET amount_captured = 1000 WHERE reference = 'checks-ref-1';",
+        expect: "answered 200 but charge",
+    },
+    Tampering {
+        name: "an acknowledged cancel shows as an expiry",
+        sql: "UPDATE charges SET cancellation_reason = 'expired' WHERE reference = 'checks-ref-2';",
+        expect: "is canceled (expired) in the database",
+    },
+    Tampering {
+        name: "an authorization is open at the acquirer with no held charge",
+        sql: "UPDATE acquirer.authorizations SET state = 'authorized', captured = 0 \
+              WHERE authorization_id = (SELECT authorization_id FROM charges \
+              WHERE reference = 'checks-ref');",
+        // `idem verify`'s acquirer agreement, through the CLI.
+        expect: "is open at the acquirer, but its charge",
+    },
+    Tampering {
+        name: "a claim left on a hold by a capture that finished",
+        sql: "UPDATE charges SET status = 'requires_capture', canceled_at = NULL, \
+              cancellation_reason = NULL, expires_at = created_at + 2000, \
+              claimed_by = (SELECT op_id FROM idempotency_keys WHERE key = 'checks-capture-3') \
+              WHERE reference = 'checks-ref-3'; \
+              UPDATE accounts SET held = held + 200 WHERE public_id = 'fund_brl' \
+              AND consumer_id = (SELECT id FROM consumers WHERE name = 'torture-0'); \
+              UPDATE accounts SET pending_credit = pending_credit + 200 \
+              WHERE public_id = 'shop_brl_c' \
+              AND consumer_id = (SELECT id FROM consumers WHERE name = 'torture-0');",
+        expect: "which is not a capture or cancel of it in progress",
+    },
+    Tampering {
+        name: "an expired hold that no expiry voided or released",
+        sql: "UPDATE charges SET status = 'requires_capture', canceled_at = NULL, \
+              cancellation_reason = NULL, expires_at = created_at + 2000 \
+              WHERE reference = 'checks-ref-3'; \
+              UPDATE acquirer.authorizations SET state = 'authorized' WHERE authorization_id = \
+              (SELECT authorization_id FROM charges WHERE reference = 'checks-ref-3'); \
+              DELETE FROM acquirer.operations WHERE key LIKE 'expire:%'; \
+              DELETE FROM acquirer.calls WHERE key LIKE 'expire:%'; \
+              UPDATE accounts SET held = held + 200 WHERE public_id = 'fund_brl' \
+              AND consumer_id = (SELECT id FROM consumers WHERE name = 'torture-0'); \
+              UPDATE accounts SET pending_credit = pending_credit + 200 \
+              WHERE public_id = 'shop_brl_c' \
+              AND consumer_id = (SELECT id FROM consumers WHERE name = 'torture-0');",
+        expect: "is still held after the drain",
+    },
+    Tampering {
+        name: "the acquirer captured one authorization twice",
+        sql: "INSERT INTO acquirer.calls (kind, key, authorization_id, amount, currency, \
+              created, timed_out, at) SELECT kind, key || 'x', authorization_id, amount, \
+              currency, 1, 0, at FROM acquirer.calls WHERE kind = 'capture';",
+        expect: "captured authorization",
+    },
+    Tampering {
+        name: "a capture refused with 409 called the acquirer",
+        sql: "INSERT INTO acquirer.calls (kind, key, authorization_id, amount, currency, \
+              created, timed_out, at) SELECT 'capture', k.op_id, c.authorization_id, 0, \
+              c.currency, 0, 0, 0 FROM idempotency_keys k, charges c \
+              WHERE k.key = 'checks-capture-2' AND c.reference = 'checks-ref-2';",
+        expect: "answered 409 yet the acquirer was called",
     },
 ];
 
+/// Sends one intent of the self-test until its final answer, judges it and
+/// records it.
+fn checks_intent(
+    ctx: &Ctx,
+    addr: SocketAddr,
+    secret: &str,
+    intent: Intent,
+    records: &mut Vec<Record>,
+) -> Value {
+    let auth = format!("Bearer {secret}");
+    let headers = [
+        ("Authorization", auth.as_str()),
+        ("Idempotency-Key", intent.key.as_str()),
+    ];
+    let r = support::send(addr, "POST", &intent.path, &headers, intent.body.as_bytes())
+        .unwrap_or_else(|e| ctx.fail(&[format!("{}: {e}", intent.path)]));
+    let first = Answer {
+        status: r.status,
+        replayed: r.replayed(),
+        body: r.body,
+        received_ms: now_ms(),
+    };
+    if let Err(what) = judge(&intent, &first) {
+        ctx.fail(&[what]);
+    }
+    let body = first.json().unwrap_or(Value::Null);
+    records.push(Record {
+        intent: Arc::new(intent),
+        first,
+    });
+    body
+}
+
+/// The self-test's file (see `TAMPERINGS`), built through a real server
+/// and left quiescent, both WALs checkpointed; and the answers its client
+/// saw.
+fn checks_file(ctx: &Ctx, db: &Path) -> Vec<Record> {
+    let keys: Vec<String> = (0..CONSUMERS)
+        .map(|i| support::create_consumer_cli(db, &format!("torture-{i}")))
+        .collect();
+    let server = start_server(ctx, db);
+    create_accounts(ctx, server.addr, &keys);
+    let mut records = Vec::new();
+    let intent = |key: &str, path: String, body: Value, kind: Kind, tag: &'static str| Intent {
+        client: 0,
+        consumer: 0,
+        key: key.into(),
+        path,
+        body: body.to_string(),
+        kind,
+        respond_async: false,
+        created_ms: now_ms(),
+        tag,
+    };
+    let charge = |n: &str, amount: i64, source: &'static str, destination: &'static str| {
+        let reference = format!("checks-ref{n}");
+        let capture = n.is_empty();
+        let mut body = json!({"amount": amount, "currency": "BRL", "source": source,
+                              "destination": destination, "reference": reference});
+        if !capture {
+            body["capture"] = json!(false);
+        }
+        let kind = Kind::Charge {
+            amount,
+            source,
+            destination,
+            reference,
+            may_decline: false,
+            capture,
+        };
+        intent(
+            &format!("checks-key{n}"),
+            "/v1/charges".into(),
+            body,
+            kind,
+            if capture { "sale" } else { "hold" },
+        )
+    };
+    let mut send = |intent: Intent| checks_intent(ctx, server.addr, &keys[0], intent, &mut records);
+    send(charge("", 700, "fund_brl", "shop_brl_a"));
+    let holds: Vec<(String, i64)> = [
+        charge("-1", 1000, "fund_brl", "shop_brl_b"),
+        charge("-2", 300, "shop_brl_a", "shop_brl_c"),
+        charge("-3", 200, "fund_brl", "shop_brl_c"),
+    ]
+    .into_iter()
+    .map(|hold| {
+        let body = send(hold);
+        let expires_at = time_of(&body, "expires_at").expect("a hold expires");
+        (body["id"].as_str().unwrap().to_string(), expires_at)
+    })
+    .collect();
+    let capture = |n: usize, amount: Option<i64>, authorized: i64, settled: bool, tag| {
+        let (charge, expires_at_ms) = holds[n - 1].clone();
+        let body = amount.map_or(json!({}), |a| json!({ "amount": a }));
+        let path = format!("/v1/charges/{charge}/capture");
+        let kind = Kind::Capture {
+            charge,
+            amount,
+            authorized,
+            expires_at_ms,
+            settled,
+        };
+        intent(&format!("checks-capture-{n}"), path, body, kind, tag)
+    };
+    send(capture(1, Some(600), 1000, false, "partial capture"));
+    let refund = Kind::Refund {
+        charge: holds[0].0.clone(),
+        amount: Some(100),
+        left: Some(600),
+    };
+    let path = format!("/v1/charges/{}/refunds", holds[0].0);
+    send(intent(
+        "checks-refund-1",
+        path,
+        json!({"amount": 100}),
+        refund,
+        "refund",
+    ));
+    let charge = holds[1].0.clone();
+    let path = format!("/v1/charges/{charge}/cancel");
+    let cancel = Kind::Cancel {
+        charge,
+        authorized: 300,
+        settled: false,
+    };
+    send(intent("checks-cancel-2", path, json!({}), cancel, "cancel"));
+    send(capture(2, None, 300, true, "capture of a settled hold"));
+    // Hold 3 is left alone until the reaper has voided and released it.
+    let deadline =
+        Instant::now() + Duration::from_millis(AUTHORIZATION_TTL_MS as u64) + DRAIN_DEADLINE;
+    let auth = format!("Bearer {}", keys[0]);
+    let expired = loop {
+        let path = format!("/v1/charges/{}", holds[2].0);
+        let r = support::send(server.addr, "GET", &path, &[("Authorization", &auth)], b"")
+            .unwrap_or_else(|e| ctx.fail(&[format!("GET {path}: {e}")]));
+        let body: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+        if body["status"] == "canceled" {
+            break body;
+        }
+        if Instant::now() > deadline {
+            ctx.fail(&[format!("hold 3 did not expire: {body}")]);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(expired["cancellation_reason"], "expired", "{expired}");
+    send(capture(3, None, 200, false, "late capture"));
+    server.kill();
+    for file in [db.to_path_buf(), Simulator::store_path(db)] {
+        Connection::open(&file)
+            .unwrap()
+            .execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
+            .unwrap();
+    }
+    records
+}
+
 /// The kills are only worth something if the checks fail when they should:
-/// on a real file with one acknowledged charge, each tampering is caught and
-/// named; the untouched copy passes.
+/// on a real file with a sale and holds captured, canceled and expired,
+/// each tampering is caught and named; the untouched copy passes.
 #[test]
 fn the_checks_catch_what_they_claim_to() {
     let dir = TempDir::new("torture-checks");
@@ -1711,77 +3078,29 @@ fn the_checks_catch_what_they_claim_to() {
         kills: 0,
         at: "checks self-test".into(),
     };
-    let keys: Vec<String> = (0..CONSUMERS)
-        .map(|i| support::create_consumer_cli(&db, &format!("torture-{i}")))
-        .collect();
-    let server = start_server(&ctx, &db);
-    create_accounts(&ctx, server.addr, &keys);
-    let intent = Arc::new(Intent {
-        client: 0,
-        consumer: 0,
-        key: "checks-key".into(),
-        path: "/v1/charges".into(),
-        body: json!({"amount": 700, "currency": "BRL", "source": "fund_brl",
-                     "destination": "shop_brl_a", "reference": "checks-ref"})
-        .to_string(),
-        kind: Kind::Charge {
-            amount: 700,
-            source: "fund_brl",
-            destination: "shop_brl_a",
-            reference: "checks-ref".into(),
-            may_decline: false,
-        },
-        respond_async: false,
-    });
-    let auth = format!("Bearer {}", keys[0]);
-    let headers = [
-        ("Authorization", auth.as_str()),
-        ("Idempotency-Key", intent.key.as_str()),
-    ];
-    let r = support::send(
-        server.addr,
-        "POST",
-        &intent.path,
-        &headers,
-        intent.body.as_bytes(),
-    )
-    .expect("charge");
-    let first = Answer {
-        status: r.status,
-        body: r.body,
-        replayed: false,
-    };
-    judge(&intent, &first).unwrap();
-    let records = [Record { intent, first }];
-    server.kill();
-    let conn = Connection::open(&db).unwrap();
-    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
-        .unwrap();
-    drop(conn);
-    let acquirer = idem::acquirer::Simulator::store_path(&db);
-    let conn = Connection::open(&acquirer).unwrap();
-    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
-        .unwrap();
-    drop(conn);
+    let records = checks_file(&ctx, &db);
+    let statuses: Vec<u16> = records.iter().map(|r| r.first.status).collect();
+    assert_eq!(statuses, [201, 201, 201, 201, 200, 201, 200, 409, 409]);
 
     let copy = |name: &str| {
         let path = dir.0.join(name);
         std::fs::copy(&db, &path).unwrap();
-        std::fs::copy(&acquirer, idem::acquirer::Simulator::store_path(&path)).unwrap();
+        std::fs::copy(Simulator::store_path(&db), Simulator::store_path(&path)).unwrap();
         path
     };
-    check_quiescent(&ctx, &copy("untouched.db"), &records);
+    check_end(&ctx, &copy("untouched.db"), &records);
     for (i, t) in TAMPERINGS.iter().enumerate() {
         let path = copy(&format!("tampered-{i}.db"));
-        Connection::open(&path)
-            .unwrap()
-            .execute_batch(t.sql)
-            .unwrap();
-        Connection::open(idem::acquirer::Simulator::store_path(&path))
-            .unwrap()
-            .execute_batch(t.acquirer_sql)
-            .unwrap();
-        let caught = std::panic::catch_unwind(|| check_quiescent(&ctx, &path, &records));
+        let conn = Connection::open(&path).unwrap();
+        conn.execute(
+            "ATTACH DATABASE ?1 AS acquirer",
+            [Simulator::store_path(&path).to_str().unwrap()],
+        )
+        .unwrap();
+        conn.execute_batch(t.sql)
+            .unwrap_or_else(|e| panic!("{}: {e}", t.name));
+        drop(conn);
+        let caught = std::panic::catch_unwind(|| check_end(&ctx, &path, &records));
         let message = match caught {
             Ok(_) => panic!("not caught: {}", t.name),
             Err(e) => e.downcast_ref::<String>().cloned().unwrap_or_default(),
@@ -1792,5 +3111,300 @@ fn the_checks_catch_what_they_claim_to() {
             t.name,
             t.expect
         );
+    }
+    // The answers, not only the file: the late capture of hold 3, as if it
+    // had come back before the hold expired, with nothing else trying.
+    let mut early = records.clone();
+    let late = early
+        .iter_mut()
+        .find(|r| r.intent.key == "checks-capture-3")
+        .unwrap();
+    let Kind::Capture { expires_at_ms, .. } = late.intent.kind else {
+        unreachable!("checks-capture-3 is a capture")
+    };
+    late.first.received_ms = expires_at_ms - 1;
+    let path = copy("early.db");
+    let caught = std::panic::catch_unwind(|| check_end(&ctx, &path, &early));
+    let message = caught
+        .err()
+        .and_then(|e| e.downcast_ref::<String>().cloned());
+    assert!(
+        message
+            .as_deref()
+            .is_some_and(|m| m.contains("before hold") && m.contains("no other capture or cancel")),
+        "a 409 before the expiry with no winner: {message:?}"
+    );
+}
+
+/// The judge accepts the answers the contract allows an intent, given what
+/// its client knows, and nothing else.
+#[test]
+fn the_judge_allows_exactly_what_the_contract_allows() {
+    const EXPIRES: i64 = 1_796_000_002_000;
+    let intent = |kind: Kind, created_ms: i64| Intent {
+        client: 0,
+        consumer: 0,
+        key: "k".into(),
+        path: "/v1/charges".into(),
+        body: "{}".into(),
+        kind,
+        respond_async: false,
+        created_ms,
+        tag: "judge",
+    };
+    let answer = |status: u16, body: Value| Answer {
+        status,
+        body: body.to_string().into_bytes(),
+        replayed: false,
+        received_ms: 0,
+    };
+    let problem = |status: u16, slug: &str| {
+        answer(
+            status,
+            json!({"type": format!("urn:idem:problem:{slug}"), "status": status}),
+        )
+    };
+    let time = |ms: i64| json!(idem::time::rfc3339(ms));
+    let hold = |lifetime: i64| {
+        let kind = Kind::Charge {
+            amount: 1000,
+            source: "fund_brl",
+            destination: "shop_brl_a",
+            reference: "r".into(),
+            may_decline: false,
+            capture: false,
+        };
+        let body = json!({"object": "charge", "id": "ch_1", "amount": 1000,
+            "source": "fund_brl", "destination": "shop_brl_a", "reference": "r",
+            "authorization": "auth_1", "status": "requires_capture", "amount_captured": 0,
+            "amount_capturable": 1000, "amount_refunded": 0, "canceled_at": null,
+            "cancellation_reason": null, "created_at": time(EXPIRES - lifetime),
+            "expires_at": time(EXPIRES)});
+        (intent(kind, 0), answer(201, body))
+    };
+    let settled = |status: &str, captured: i64, reason: Value| {
+        let canceled_at = if reason.is_null() {
+            Value::Null
+        } else {
+            time(EXPIRES)
+        };
+        answer(
+            200,
+            json!({"object": "charge", "id": "ch_1", "amount": 1000, "status": status,
+                "amount_captured": captured, "amount_capturable": 0, "amount_refunded": 0,
+                "expires_at": null, "canceled_at": canceled_at, "cancellation_reason": reason}),
+        )
+    };
+    let capture = |amount: Option<i64>, created_ms: i64, settled: bool| {
+        let kind = Kind::Capture {
+            charge: "ch_1".into(),
+            amount,
+            authorized: 1000,
+            expires_at_ms: EXPIRES,
+            settled,
+        };
+        intent(kind, created_ms)
+    };
+    let cancel = |settled: bool| {
+        let kind = Kind::Cancel {
+            charge: "ch_1".into(),
+            authorized: 1000,
+            settled,
+        };
+        intent(kind, 0)
+    };
+    let refund = |amount: Option<i64>, left: Option<i64>| {
+        let kind = Kind::Refund {
+            charge: "ch_1".into(),
+            amount,
+            left,
+        };
+        intent(kind, 0)
+    };
+    let refunded = |amount: i64| {
+        answer(
+            201,
+            json!({"object": "refund", "id": "re_1", "charge": "ch_1", "amount": amount}),
+        )
+    };
+    let captured = |n: i64| settled("succeeded", n, Value::Null);
+    let before = EXPIRES - 1;
+    let cases: Vec<(&str, Intent, Answer, bool)> = vec![
+        (
+            "a hold",
+            hold(AUTHORIZATION_TTL_MS).0,
+            hold(AUTHORIZATION_TTL_MS).1,
+            true,
+        ),
+        ("a hold with another lifetime", hold(1).0, hold(1).1, false),
+        (
+            "a full capture",
+            capture(None, before, false),
+            captured(1000),
+            true,
+        ),
+        (
+            "a partial capture",
+            capture(Some(600), before, false),
+            captured(600),
+            true,
+        ),
+        (
+            "a capture for another amount",
+            capture(Some(600), before, false),
+            captured(1000),
+            false,
+        ),
+        (
+            "a capture made at the expiry",
+            capture(None, EXPIRES, false),
+            captured(1000),
+            false,
+        ),
+        (
+            "a capture of a settled hold",
+            capture(None, before, true),
+            captured(1000),
+            false,
+        ),
+        (
+            "a capture lost",
+            capture(None, before, false),
+            problem(409, "invalid-charge-state"),
+            true,
+        ),
+        (
+            "a capture told its key is busy",
+            capture(None, before, false),
+            problem(409, "idempotency-key-in-use"),
+            false,
+        ),
+        (
+            "a capture over",
+            capture(Some(1001), before, false),
+            problem(422, "capture-exceeds-authorization"),
+            true,
+        ),
+        (
+            "a capture not over, 422",
+            capture(Some(1000), before, false),
+            problem(422, "capture-exceeds-authorization"),
+            false,
+        ),
+        (
+            "a cancel",
+            cancel(false),
+            settled("canceled", 0, json!("requested")),
+            true,
+        ),
+        (
+            "a cancel that expired",
+            cancel(false),
+            settled("canceled", 0, json!("expired")),
+            false,
+        ),
+        (
+            "a cancel that captured",
+            cancel(false),
+            captured(1000),
+            false,
+        ),
+        (
+            "a cancel of a settled hold",
+            cancel(true),
+            settled("canceled", 0, json!("requested")),
+            false,
+        ),
+        (
+            "a refund of all that is left",
+            refund(None, Some(300)),
+            refunded(300),
+            true,
+        ),
+        (
+            "a refund that fits",
+            refund(Some(300), Some(300)),
+            refunded(300),
+            true,
+        ),
+        (
+            "a refund that fits, 422",
+            refund(Some(300), Some(300)),
+            problem(422, "refund-exceeds-charge"),
+            false,
+        ),
+        (
+            "a refund that fits, 402",
+            refund(Some(300), Some(300)),
+            problem(402, "insufficient-funds"),
+            true,
+        ),
+        (
+            "a refund past what is left",
+            refund(Some(301), Some(300)),
+            problem(422, "refund-exceeds-charge"),
+            true,
+        ),
+        (
+            "a refund past what is left, 201",
+            refund(Some(301), Some(300)),
+            refunded(301),
+            false,
+        ),
+        (
+            "a refund past what is left, 402",
+            refund(Some(301), Some(300)),
+            problem(402, "insufficient-funds"),
+            false,
+        ),
+        (
+            "a refund of nothing left",
+            refund(None, Some(0)),
+            problem(422, "refund-exceeds-charge"),
+            true,
+        ),
+        (
+            "a refund of a hold",
+            refund(None, None),
+            problem(409, "invalid-charge-state"),
+            true,
+        ),
+        (
+            "a refund of a hold, 201",
+            refund(None, None),
+            refunded(1000),
+            false,
+        ),
+        (
+            "a refund of a sale, 409",
+            refund(None, Some(300)),
+            problem(409, "invalid-charge-state"),
+            false,
+        ),
+    ];
+    for (name, intent, answer, allowed) in cases {
+        let verdict = judge(&intent, &answer);
+        assert_eq!(verdict.is_ok(), allowed, "{name}: {verdict:?}");
+    }
+}
+
+/// The test's reading of idem's timestamps agrees with idem's rendering,
+/// and refuses anything else.
+#[test]
+fn timestamps_read_back_as_idem_writes_them() {
+    for ms in [0, 951_782_400_000, 1_796_032_872_123, 4_107_542_399_999] {
+        assert_eq!(parse_rfc3339_ms(&idem::time::rfc3339(ms)), Some(ms));
+    }
+    let now = now_ms();
+    assert_eq!(parse_rfc3339_ms(&idem::time::rfc3339(now)), Some(now));
+    for bad in [
+        "",
+        "2026-11-30T10:01:12Z",
+        "2026-11-30T10:01:12.123+00:00",
+        "2026-02-30T10:01:12.123Z",
+        "2026-11-30T10:01:12.12aZ",
+        "+026-11-30T10:01:12.123Z",
+    ] {
+        assert_eq!(parse_rfc3339_ms(bad), None, "{bad:?}");
     }
 }

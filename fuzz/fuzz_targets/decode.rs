@@ -27,7 +27,10 @@ use idem::config::{AMOUNT_MINOR_MAX, BODY_SIZE_MAX_BYTES, LIST_LIMIT_MAX};
 use idem::http::router::{decode, match_route, needs_auth, Command, Write};
 use idem::http::Request;
 use idem::idempotency::{fingerprint, IdempotencyKey, Mode};
-use idem::model::{valid_account_id, AccountRequest, ChargeRequest, Operation, RefundRequest};
+use idem::model::{
+    valid_account_id, AccountRequest, CancelRequest, CaptureRequest, ChargeRequest, Operation,
+    RefundRequest,
+};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 
@@ -90,6 +93,20 @@ fn check_command(req: &Request, command: &Command<'_>) {
                 .request
                 .amount
                 .is_none_or(|a| (1..=AMOUNT_MINOR_MAX).contains(&a)));
+        }
+        Command::CreateCapture(w) => {
+            let again = CaptureRequest::from_json(&w.request.charge, &w.body);
+            check_write(req, w, again, Operation::Capture);
+            check_key(&w.key);
+            assert!(w
+                .request
+                .amount
+                .is_none_or(|a| (1..=AMOUNT_MINOR_MAX).contains(&a)));
+        }
+        Command::CreateCancel(w) => {
+            let again = CancelRequest::from_json(&w.request.charge, &w.body);
+            check_write(req, w, again, Operation::Cancel);
+            check_key(&w.key);
         }
         Command::ListEntries(_, page) | Command::ListCharges(page) => {
             assert!((1..=LIST_LIMIT_MAX).contains(&page.limit));

@@ -24,8 +24,11 @@ pub struct Authorization {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unavailable(pub String);
 
-/// A third party that authorizes payments. Implementations are called from
-/// many operation threads at once, outside any database transaction.
+/// A third party that authorizes, captures, voids and refunds payments.
+/// Implementations are called from many operation threads at once, outside
+/// any database transaction. Every call carries an idempotency key derived
+/// from the operation that makes it, so that a repeated call (a retry, a
+/// takeover after a crash) has the effect of one.
 pub trait Acquirer: Send + Sync {
     /// Authorizes `amount` of `currency`. Calls with the same `key` return
     /// the same authorization.
@@ -45,11 +48,43 @@ pub trait Acquirer: Send + Sync {
     /// time, and an overrun is logged. The deadline is at most
     /// `--acquirer-timeout` away, and leaves at least as long again before
     /// the owner's lock could be taken over.
+    ///
+    /// With `capture`, the authorization is captured at once (a sale): a
+    /// charge that moves the money now. Without, it is a hold, captured
+    /// later by [`Acquirer::capture`] or released by [`Acquirer::void`].
     fn authorize(
         &self,
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
         deadline: Instant,
     ) -> Result<Authorization, Unavailable>;
+
+    /// Captures `amount` (at most what was authorised) of `authorization`;
+    /// the rest of it is released (one capture per authorization). Calls
+    /// with the same `key` capture once. By `deadline`, as for
+    /// [`Acquirer::authorize`].
+    fn capture(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: Instant,
+    ) -> Result<(), Unavailable>;
+
+    /// Voids `authorization`: releases a hold, or reverses a sale that
+    /// nothing was refunded of. Calls with the same `key` void once. By
+    /// `deadline`.
+    fn void(&self, key: &str, authorization: &str, deadline: Instant) -> Result<(), Unavailable>;
+
+    /// Refunds `amount` of the captured `authorization`. Calls with the same
+    /// `key` refund once. By `deadline`.
+    fn refund(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: Instant,
+    ) -> Result<(), Unavailable>;
 }

@@ -1,4 +1,5 @@
-//! The built-in acquirer: it approves everything, deduplicates by key, and
+//! The built-in acquirer: it approves everything, captures, voids and
+//! refunds what the state of an authorization allows, deduplicates by key, and
 //! remembers what it was asked in a small SQLite file of its own next to the
 //! ledger's database (`<db>.acquirer.sqlite`).
 //!
@@ -29,11 +30,15 @@
 //! necessarily a power cut — as with the v1 text journal, which was written
 //! but not fsynced.
 //!
-//! Two tables. `authorizations`: one row per acquirer-side key (UNIQUE),
-//! with the authorization id, amount, currency, state and when it was made.
-//! `calls`: a journal of every call (kind `authorize`; later `capture`,
-//! `void`, `refund`), including repeated calls that returned an existing
-//! authorization, so tests can count them ([`Simulator::journal`]).
+//! Three tables. `authorizations`: one row per acquirer-side key (UNIQUE),
+//! with the authorization id, amount, currency, when it was made, and what
+//! became of it: `state` (`authorized`, `captured`, `voided`), `captured`
+//! and `refunded`. `operations`: one row per key of a capture, void or
+//! refund, so a repeated call does nothing twice. `calls`: a journal of
+//! every call (`authorize`, `capture`, `void`, `refund`), including repeated
+//! calls that found what their key did before, so tests can count them
+//! ([`Simulator::journal`]) and `idem verify` can hold the ledger against
+//! it.
 //!
 //! A v1 text journal (`<db>.acquirer`, lines `op_id auth_id amount
 //! currency`) is imported once at start, in one transaction, then renamed
@@ -91,8 +96,25 @@ CREATE TABLE calls (
     at               INTEGER NOT NULL
 );
 ";
+/// Version 2 of the simulator's file: what became of each authorization
+/// (captured, refunded, voided) and the operations on it, each once per key.
+/// The `operations` key index and the authorization-id index are two more
+/// pages per call, only for the calls that use them.
+const SCHEMA_V2_SQL: &str = "
+ALTER TABLE authorizations ADD COLUMN captured INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE authorizations ADD COLUMN refunded INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX authorizations_by_id ON authorizations (authorization_id);
+CREATE TABLE operations (
+    id               INTEGER PRIMARY KEY,
+    key              TEXT    NOT NULL UNIQUE,
+    kind             TEXT    NOT NULL CHECK (kind IN ('capture', 'void', 'refund')),
+    authorization_id TEXT    NOT NULL,
+    amount           INTEGER NOT NULL,
+    created_at       INTEGER NOT NULL
+);
+";
 /// The simulator file's `PRAGMA user_version`.
-const SCHEMA_VERSION: i64 = 1;
+const SCHEMA_VERSION: i64 = 2;
 
 /// Wall-clock milliseconds since the Unix epoch. The simulator reads the
 /// time through one, so a test can age its rows without waiting.
@@ -103,18 +125,30 @@ pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
 pub enum CallKind {
     /// [`Acquirer::authorize`].
     Authorize,
+    /// [`Acquirer::capture`].
+    Capture,
+    /// [`Acquirer::void`].
+    Void,
+    /// [`Acquirer::refund`].
+    Refund,
 }
 
 impl CallKind {
     fn as_str(self) -> &'static str {
         match self {
             CallKind::Authorize => "authorize",
+            CallKind::Capture => "capture",
+            CallKind::Void => "void",
+            CallKind::Refund => "refund",
         }
     }
 
     fn parse(s: &str) -> Option<CallKind> {
         match s {
             "authorize" => Some(CallKind::Authorize),
+            "capture" => Some(CallKind::Capture),
+            "void" => Some(CallKind::Void),
+            "refund" => Some(CallKind::Refund),
             _ => None,
         }
     }
@@ -133,9 +167,10 @@ pub struct Call {
     pub amount: i64,
     /// The currency the call asked for.
     pub currency: String,
-    /// This call made a new authorization (false: it found one for its
-    /// key). An authorization imported from a v1 text journal is journaled
-    /// as the call that made it, at the time of the import.
+    /// This call made a new authorization, capture, void or refund (false:
+    /// it found the one its key made before). An authorization imported
+    /// from a v1 text journal is journaled as the call that made it, at the
+    /// time of the import.
     pub created: bool,
     /// The caller's deadline came before the authorization was ready: it
     /// was answered `Unavailable`, and the authorization stays for a retry.
@@ -157,6 +192,12 @@ pub struct StoredAuthorization {
     pub currency: String,
     /// When it was made (for an imported v1 line: when it was imported).
     pub created_at_ms: i64,
+    /// `authorized` (a hold), `captured` or `voided`.
+    pub state: String,
+    /// How much was captured (a sale: all of it, at once).
+    pub captured: i64,
+    /// How much of the capture was refunded.
+    pub refunded: i64,
 }
 
 /// The built-in acquirer (see the module documentation).
@@ -296,8 +337,8 @@ impl Simulator {
             return Ok(Vec::new());
         };
         let mut stmt = conn.prepare(
-            "SELECT key, authorization_id, amount, currency, created_at \
-             FROM authorizations ORDER BY id",
+            "SELECT key, authorization_id, amount, currency, created_at, state, captured, \
+             refunded FROM authorizations ORDER BY id",
         )?;
         let rows = stmt.query_map([], |r| {
             Ok(StoredAuthorization {
@@ -306,6 +347,9 @@ impl Simulator {
                 amount: r.get(2)?,
                 currency: r.get(3)?,
                 created_at_ms: r.get(4)?,
+                state: r.get(5)?,
+                captured: r.get(6)?,
+                refunded: r.get(7)?,
             })
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
@@ -333,12 +377,19 @@ impl Simulator {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
         now: i64,
         deadline_ms: i64,
     ) -> Result<Answer> {
         let mut store = self.store();
         let latency_ms = self.latency.as_millis() as i64;
-        let answer = store.record(key, amount, currency, now, latency_ms, deadline_ms)?;
+        let answer = store.record(key, amount, currency, capture, now, latency_ms, deadline_ms)?;
+        self.after_call(&mut store, now);
+        Ok(answer)
+    }
+
+    /// Counts a call, and every `SIMULATOR_PRUNE_EVERY_CALLS` calls prunes.
+    fn after_call(&self, store: &mut Store, now: i64) {
         store.calls_since_prune += 1;
         if store.calls_since_prune >= SIMULATOR_PRUNE_EVERY_CALLS {
             store.calls_since_prune = 0;
@@ -347,7 +398,37 @@ impl Simulator {
                 log::warn!("acquirer simulator: cannot prune: {e}");
             }
         }
-        Ok(answer)
+    }
+
+    /// A capture, void or refund of `authorization` under `key`: made once
+    /// (a repeated key finds what it did), then answered after the latency,
+    /// or `Unavailable` at the deadline if that comes first — it is made
+    /// all the same, as a real acquirer goes on after its client gave up.
+    fn operate(
+        &self,
+        kind: CallKind,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: Instant,
+    ) -> std::result::Result<(), Unavailable> {
+        let now = (self.clock)();
+        {
+            let mut store = self.store();
+            store
+                .operate(kind, key, authorization, amount, now)
+                .map_err(|e| Unavailable(format!("acquirer simulator: {e}")))?;
+            self.after_call(&mut store, now);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if self.latency > left {
+            std::thread::sleep(left);
+            return Err(Unavailable(format!(
+                "acquirer timed out: no answer for {key} within {left:?}"
+            )));
+        }
+        std::thread::sleep(self.latency);
+        Ok(())
     }
 
     /// Imports a v1 text journal, then renames it (see the module docs).
@@ -371,16 +452,18 @@ impl Simulator {
             };
             // Kept a whole retention from now: the v1 file has no times.
             let new = tx
+                // v1 charged at once: its authorizations were sales.
                 .prepare_cached(
-                    "INSERT OR IGNORE INTO authorizations \
-                     (key, authorization_id, amount, currency, created_at, ready_at) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?5)",
+                    "INSERT OR IGNORE INTO authorizations (key, authorization_id, amount, \
+                     currency, created_at, ready_at, state, captured) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?5, 'captured', ?3)",
                 )?
                 .execute(params![key, id, amount, currency, now])?;
             // The v1 line is the record of the call that made it; journaled
             // once, even if a crash before the rename imports the file again.
             if new == 1 {
                 let entry = JournalEntry {
+                    kind: CallKind::Authorize,
                     key,
                     authorization: id,
                     amount,
@@ -410,13 +493,15 @@ impl Simulator {
 }
 
 impl Store {
-    /// One transaction: find or make the authorization for `key`, and
-    /// journal the call.
+    /// One transaction: find or make the authorization for `key` (captured
+    /// at once for a sale), and journal the call.
+    #[allow(clippy::too_many_arguments)]
     fn record(
         &mut self,
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
         now: i64,
         latency_ms: i64,
         deadline_ms: i64,
@@ -436,10 +521,15 @@ impl Store {
                     id: format!("auth_{}", Uuid::now_v7().simple()),
                     ready_at_ms: now.saturating_add(latency_ms),
                 };
+                let (state, captured) = if capture {
+                    ("captured", amount)
+                } else {
+                    ("authorized", 0)
+                };
                 tx.prepare_cached(
-                    "INSERT INTO authorizations \
-                     (key, authorization_id, amount, currency, created_at, ready_at) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    "INSERT INTO authorizations (key, authorization_id, amount, currency, \
+                     created_at, ready_at, state, captured) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
                 )?
                 .execute(params![
                     key,
@@ -447,12 +537,15 @@ impl Store {
                     amount,
                     currency,
                     now,
-                    answer.ready_at_ms
+                    answer.ready_at_ms,
+                    state,
+                    captured
                 ])?;
                 answer
             }
         };
         let entry = JournalEntry {
+            kind: CallKind::Authorize,
             key,
             authorization: &answer.id,
             amount,
@@ -464,6 +557,112 @@ impl Store {
         journal_call(&tx, &entry)?;
         tx.commit()?;
         Ok(answer)
+    }
+
+    /// One transaction: make the capture, void or refund of `key` (or find
+    /// the one it made), moving the authorization's state, and journal the
+    /// call. An operation the authorization's state does not allow — a
+    /// capture of a voided authorization, a second capture, a refund past
+    /// what was captured — is refused: idem never asks for one.
+    fn operate(
+        &mut self,
+        kind: CallKind,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        now: i64,
+    ) -> Result<()> {
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let auth: Option<(String, i64, String, i64, i64)> = tx
+            .prepare_cached(
+                "SELECT state, amount, currency, captured, refunded FROM authorizations \
+                 WHERE authorization_id = ?1",
+            )?
+            .query_row([authorization], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })
+            .optional()?;
+        let Some((state, authorized, currency, captured, refunded)) = auth else {
+            return Err(Error::Other(format!(
+                "no authorization {authorization} (never made, or forgotten)"
+            )));
+        };
+        let done: Option<(String, String, i64)> = tx
+            .prepare_cached("SELECT kind, authorization_id, amount FROM operations WHERE key = ?1")?
+            .query_row([key], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .optional()?;
+        let created = match done {
+            Some((k, a, n)) if k == kind.as_str() && a == authorization && n == amount => false,
+            Some((k, a, _)) => {
+                return Err(Error::Other(format!(
+                    "key {key} was used for a {k} of {a}, not this {} of {authorization}",
+                    kind.as_str()
+                )))
+            }
+            None => {
+                let refused = |why: &str| {
+                    Err(Error::Other(format!(
+                        "cannot {} authorization {authorization}: {why}",
+                        kind.as_str()
+                    )))
+                };
+                let update = match kind {
+                    CallKind::Capture if state != "authorized" => return refused(&state),
+                    CallKind::Capture if amount > authorized => {
+                        return refused("more than was authorized")
+                    }
+                    CallKind::Capture => {
+                        "UPDATE authorizations SET state = 'captured', \
+                         captured = ?2 WHERE authorization_id = ?1"
+                    }
+                    CallKind::Void if state == "voided" => return refused("already voided"),
+                    CallKind::Void if refunded > 0 => return refused("refunds were made"),
+                    // A void's amount is 0: a sale it reverses keeps nothing.
+                    CallKind::Void => {
+                        "UPDATE authorizations SET state = 'voided', \
+                         captured = ?2 WHERE authorization_id = ?1"
+                    }
+                    CallKind::Refund if state != "captured" => return refused(&state),
+                    CallKind::Refund if refunded.saturating_add(amount) > captured => {
+                        return refused("more than was captured")
+                    }
+                    CallKind::Refund => {
+                        "UPDATE authorizations SET refunded = refunded + ?2 \
+                         WHERE authorization_id = ?1"
+                    }
+                    CallKind::Authorize => unreachable!("authorize is recorded by record()"),
+                };
+                tx.prepare_cached(update)?
+                    .execute(params![authorization, amount])?;
+                tx.prepare_cached(
+                    "INSERT INTO operations (key, kind, authorization_id, amount, created_at) \
+                     VALUES (?1, ?2, ?3, ?4, ?5)",
+                )?
+                .execute(params![
+                    key,
+                    kind.as_str(),
+                    authorization,
+                    amount,
+                    now
+                ])?;
+                true
+            }
+        };
+        let entry = JournalEntry {
+            kind,
+            key,
+            authorization,
+            amount,
+            currency: &currency,
+            created,
+            timed_out: false,
+            at_ms: now,
+        };
+        journal_call(&tx, &entry)?;
+        tx.commit()?;
+        Ok(())
     }
 
     /// Deletes up to a batch of rows of each table from before `cutoff`.
@@ -488,8 +687,14 @@ impl Store {
                  (SELECT id FROM calls ORDER BY id LIMIT ?2) AND at < ?1",
             )?
             .execute(params![cutoff, batch])?;
+        let operations = tx
+            .prepare_cached(
+                "DELETE FROM operations WHERE id IN \
+                 (SELECT id FROM operations ORDER BY id LIMIT ?2) AND created_at < ?1",
+            )?
+            .execute(params![cutoff, batch])?;
         tx.commit()?;
-        Ok(authorizations + calls)
+        Ok(authorizations + calls + operations)
     }
 }
 
@@ -505,13 +710,14 @@ impl Acquirer for Simulator {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
         deadline: Instant,
     ) -> Result<Authorization, Unavailable> {
         let now = (self.clock)();
         let left = deadline.saturating_duration_since(Instant::now());
         let deadline_ms = now.saturating_add(left.as_millis() as i64);
         let answer = self
-            .call(key, amount, currency, now, deadline_ms)
+            .call(key, amount, currency, capture, now, deadline_ms)
             .map_err(|e| Unavailable(format!("acquirer simulator: {e}")))?;
         if answer.ready_at_ms > deadline_ms {
             std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
@@ -525,10 +731,35 @@ impl Acquirer for Simulator {
         }
         Ok(Authorization { id: answer.id })
     }
+
+    fn capture(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: Instant,
+    ) -> Result<(), Unavailable> {
+        self.operate(CallKind::Capture, key, authorization, amount, deadline)
+    }
+
+    fn void(&self, key: &str, authorization: &str, deadline: Instant) -> Result<(), Unavailable> {
+        self.operate(CallKind::Void, key, authorization, 0, deadline)
+    }
+
+    fn refund(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: Instant,
+    ) -> Result<(), Unavailable> {
+        self.operate(CallKind::Refund, key, authorization, amount, deadline)
+    }
 }
 
 /// A journal row about to be written (see [`Call`]).
 struct JournalEntry<'a> {
+    kind: CallKind,
     key: &'a str,
     authorization: &'a str,
     amount: i64,
@@ -538,7 +769,7 @@ struct JournalEntry<'a> {
     at_ms: i64,
 }
 
-/// Appends an `authorize` call to the journal.
+/// Appends a call to the journal.
 fn journal_call(conn: &Connection, e: &JournalEntry<'_>) -> Result<()> {
     conn.prepare_cached(
         "INSERT INTO calls \
@@ -546,7 +777,7 @@ fn journal_call(conn: &Connection, e: &JournalEntry<'_>) -> Result<()> {
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     )?
     .execute(params![
-        CallKind::Authorize.as_str(),
+        e.kind.as_str(),
         e.key,
         e.authorization,
         e.amount,
@@ -565,6 +796,11 @@ fn migrate(conn: &mut Connection) -> Result<()> {
     match version {
         0 => {
             tx.execute_batch(SCHEMA_SQL)?;
+            tx.execute_batch(SCHEMA_V2_SQL)?;
+            tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+        }
+        1 => {
+            tx.execute_batch(SCHEMA_V2_SQL)?;
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         }
         SCHEMA_VERSION => {}

@@ -10,7 +10,10 @@ use crate::api::{Answer, Problem, Reply, JSON, OPENAPI_DOCUMENT};
 use crate::app::App;
 use crate::config::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 use crate::idempotency::{IdempotencyKey, KeyError, Mode};
-use crate::model::{parse_object, AccountRequest, ChargeRequest, FieldError, Page, RefundRequest};
+use crate::model::{
+    parse_object, AccountRequest, CancelRequest, CaptureRequest, ChargeRequest, FieldError, Page,
+    RefundRequest,
+};
 
 /// A matched route: its template (the metrics label) and what it names.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,6 +27,8 @@ pub enum Route<'a> {
     Charges,
     Charge(&'a str),
     Refunds(&'a str),
+    Capture(&'a str),
+    Cancel(&'a str),
     Operation(&'a str),
 }
 
@@ -39,6 +44,8 @@ impl Route<'_> {
             Route::Charges => "/v1/charges",
             Route::Charge(_) => "/v1/charges/{id}",
             Route::Refunds(_) => "/v1/charges/{id}/refunds",
+            Route::Capture(_) => "/v1/charges/{id}/capture",
+            Route::Cancel(_) => "/v1/charges/{id}/cancel",
             Route::Operation(_) => "/v1/operations/{id}",
         }
     }
@@ -48,7 +55,7 @@ impl Route<'_> {
     /// engine sends GET's status and headers without the body.
     pub fn allow(&self) -> &'static str {
         match self {
-            Route::Accounts | Route::Refunds(_) => "POST",
+            Route::Accounts | Route::Refunds(_) | Route::Capture(_) | Route::Cancel(_) => "POST",
             Route::Charges => "GET, HEAD, POST",
             _ => "GET, HEAD",
         }
@@ -70,6 +77,8 @@ pub const ROUTES: &[&str] = &[
     "/v1/charges",
     "/v1/charges/{id}",
     "/v1/charges/{id}/refunds",
+    "/v1/charges/{id}/capture",
+    "/v1/charges/{id}/cancel",
     "/v1/operations/{id}",
 ];
 
@@ -86,6 +95,8 @@ pub fn match_route(path: &str) -> Option<Route<'_>> {
         ["v1", "charges"] => Route::Charges,
         ["v1", "charges", id] if id_ok(id) => Route::Charge(id),
         ["v1", "charges", id, "refunds"] if id_ok(id) => Route::Refunds(id),
+        ["v1", "charges", id, "capture"] if id_ok(id) => Route::Capture(id),
+        ["v1", "charges", id, "cancel"] if id_ok(id) => Route::Cancel(id),
         ["v1", "operations", id] if id_ok(id) => Route::Operation(id),
         _ => return None,
     })
@@ -104,6 +115,8 @@ pub enum Command<'a> {
     CreateAccount(Write<AccountRequest, Option<IdempotencyKey>>),
     CreateCharge(Write<ChargeRequest>),
     CreateRefund(Write<RefundRequest>),
+    CreateCapture(Write<CaptureRequest>),
+    CreateCancel(Write<CancelRequest>),
     GetAccount(&'a str),
     ListEntries(&'a str, Page),
     ListCharges(Page),
@@ -156,6 +169,10 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer
         }
         Command::CreateCharge(w) => app.create_charge(consumer, w.key, w.mode, &w.body, w.request),
         Command::CreateRefund(w) => app.create_refund(consumer, w.key, w.mode, &w.body, w.request),
+        Command::CreateCapture(w) => {
+            app.create_capture(consumer, w.key, w.mode, &w.body, w.request)
+        }
+        Command::CreateCancel(w) => app.create_cancel(consumer, w.key, w.mode, &w.body, w.request),
         Command::GetAccount(id) => app.get_account(consumer, id).into(),
         Command::ListEntries(id, page) => app.list_entries(consumer, id, &page).into(),
         Command::ListCharges(page) => app.list_charges(consumer, &page).into(),
@@ -221,6 +238,28 @@ pub fn decode<'a>(req: &'a Request, route: Option<Route<'a>>) -> Result<Command<
             let body = body(req)?;
             let request = RefundRequest::from_json(charge, &body).map_err(invalid)?;
             Command::CreateRefund(Write {
+                key,
+                mode: mode(req),
+                body,
+                request,
+            })
+        }
+        ("POST", Route::Capture(charge)) => {
+            let key = idempotency_key(req, true)?.expect("required");
+            let body = body(req)?;
+            let request = CaptureRequest::from_json(charge, &body).map_err(invalid)?;
+            Command::CreateCapture(Write {
+                key,
+                mode: mode(req),
+                body,
+                request,
+            })
+        }
+        ("POST", Route::Cancel(charge)) => {
+            let key = idempotency_key(req, true)?.expect("required");
+            let body = body(req)?;
+            let request = CancelRequest::from_json(charge, &body).map_err(invalid)?;
+            Command::CreateCancel(Write {
                 key,
                 mode: mode(req),
                 body,

@@ -44,6 +44,11 @@ pub(crate) const STEPS: &[Step] = &[
         name: "schema_migrations",
         sql: include_str!("../../migrations/0002_schema_migrations.sql"),
     },
+    Step {
+        version: 3,
+        name: "two_phase",
+        sql: include_str!("../../migrations/0003_two_phase.sql"),
+    },
 ];
 
 /// The schema, embedded at build time: what a new database is created with.

@@ -426,10 +426,51 @@ pub fn eventually<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
-/// The acquirer simulator, counting its calls: shows that an authorization
-/// is never asked for twice.
+/// Implements `capture`, `void` and `refund` of `idem::acquirer::Acquirer`
+/// for a test acquirer by passing them to its `inner` simulator: most test
+/// acquirers change only how they authorize.
+#[macro_export]
+macro_rules! settle_through_inner {
+    () => {
+        fn capture(
+            &self,
+            key: &str,
+            authorization: &str,
+            amount: i64,
+            deadline: std::time::Instant,
+        ) -> Result<(), idem::acquirer::Unavailable> {
+            self.inner.capture(key, authorization, amount, deadline)
+        }
+
+        fn void(
+            &self,
+            key: &str,
+            authorization: &str,
+            deadline: std::time::Instant,
+        ) -> Result<(), idem::acquirer::Unavailable> {
+            self.inner.void(key, authorization, deadline)
+        }
+
+        fn refund(
+            &self,
+            key: &str,
+            authorization: &str,
+            amount: i64,
+            deadline: std::time::Instant,
+        ) -> Result<(), idem::acquirer::Unavailable> {
+            self.inner.refund(key, authorization, amount, deadline)
+        }
+    };
+}
+
+/// The acquirer simulator, counting its calls by kind: shows that an
+/// authorization is never asked for twice, and that a capture or a void
+/// happens once.
 pub struct CountingAcquirer {
     calls: std::sync::atomic::AtomicUsize,
+    captures: std::sync::atomic::AtomicUsize,
+    voids: std::sync::atomic::AtomicUsize,
+    refunds: std::sync::atomic::AtomicUsize,
     inner: idem::acquirer::Simulator,
 }
 
@@ -437,12 +478,28 @@ impl CountingAcquirer {
     pub fn new() -> std::sync::Arc<CountingAcquirer> {
         std::sync::Arc::new(CountingAcquirer {
             calls: Default::default(),
+            captures: Default::default(),
+            voids: Default::default(),
+            refunds: Default::default(),
             inner: idem::acquirer::Simulator::new(Duration::ZERO),
         })
     }
 
+    /// `authorize` calls.
     pub fn calls(&self) -> usize {
         self.calls.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub fn captures(&self) -> usize {
+        self.captures.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub fn voids(&self) -> usize {
+        self.voids.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub fn refunds(&self) -> usize {
+        self.refunds.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -452,9 +509,45 @@ impl idem::acquirer::Acquirer for CountingAcquirer {
         key: &str,
         amount: i64,
         currency: &str,
+        capture: bool,
         deadline: std::time::Instant,
     ) -> Result<idem::acquirer::Authorization, idem::acquirer::Unavailable> {
         self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.authorize(key, amount, currency, deadline)
+        self.inner
+            .authorize(key, amount, currency, capture, deadline)
+    }
+
+    fn capture(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: std::time::Instant,
+    ) -> Result<(), idem::acquirer::Unavailable> {
+        self.captures
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.capture(key, authorization, amount, deadline)
+    }
+
+    fn void(
+        &self,
+        key: &str,
+        authorization: &str,
+        deadline: std::time::Instant,
+    ) -> Result<(), idem::acquirer::Unavailable> {
+        self.voids.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.void(key, authorization, deadline)
+    }
+
+    fn refund(
+        &self,
+        key: &str,
+        authorization: &str,
+        amount: i64,
+        deadline: std::time::Instant,
+    ) -> Result<(), idem::acquirer::Unavailable> {
+        self.refunds
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.refund(key, authorization, amount, deadline)
     }
 }
