@@ -546,12 +546,27 @@ pub fn claimed_charge(
     }))
 }
 
-/// A claimed charge that is not the caller's (a bug, or a database edited by
-/// hand): its ledger phase refuses to run.
-fn not_claimed(charge: &str, claimer: &str) -> crate::error::Error {
-    crate::error::Error::Other(format!(
-        "charge {charge} is not held and claimed by {claimer}"
-    ))
+/// The held charge `claimer` claimed, its whole hold released (the first
+/// step of a capture's or a cancel's ledger phase). A charge that is not
+/// held and claimed by the caller (a bug, or a database edited by hand)
+/// refuses the ledger phase.
+fn release_claimed(
+    tx: &Connection,
+    consumer_id: i64,
+    charge: &str,
+    claimer: &str,
+) -> Result<ChargeRow> {
+    let row = find_charge(tx, consumer_id, charge)?
+        .filter(|r| {
+            r.object.status == "requires_capture" && r.claimed_by.as_deref() == Some(claimer)
+        })
+        .ok_or_else(|| {
+            crate::error::Error::Other(format!(
+                "charge {charge} is not held and claimed by {claimer}"
+            ))
+        })?;
+    hold(tx, row.source_id, row.destination_id, -row.object.amount)?;
+    Ok(row)
 }
 
 /// The ledger phase of a capture the acquirer has made: entries for
@@ -566,12 +581,7 @@ pub fn apply_capture(
     amount: i64,
     now_ms: i64,
 ) -> Result<ChargeObject> {
-    let row = find_charge(tx, consumer_id, charge)?
-        .filter(|r| {
-            r.object.status == "requires_capture" && r.claimed_by.as_deref() == Some(claimer)
-        })
-        .ok_or_else(|| not_claimed(charge, claimer))?;
-    hold(tx, row.source_id, row.destination_id, -row.object.amount)?;
+    let row = release_claimed(tx, consumer_id, charge, claimer)?;
     post_entry(tx, row.source_id, -amount, row.id, None, now_ms)?;
     post_entry(tx, row.destination_id, amount, row.id, None, now_ms)?;
     tx.prepare_cached(
@@ -603,12 +613,7 @@ pub fn apply_cancel(
     reason: CancellationReason,
     now_ms: i64,
 ) -> Result<ChargeObject> {
-    let row = find_charge(tx, consumer_id, charge)?
-        .filter(|r| {
-            r.object.status == "requires_capture" && r.claimed_by.as_deref() == Some(claimer)
-        })
-        .ok_or_else(|| not_claimed(charge, claimer))?;
-    hold(tx, row.source_id, row.destination_id, -row.object.amount)?;
+    let row = release_claimed(tx, consumer_id, charge, claimer)?;
     let reason = match reason {
         CancellationReason::Requested => "requested",
         CancellationReason::Expired => "expired",
