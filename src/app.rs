@@ -1149,7 +1149,7 @@ fn claim(
 ) -> Result<Prepared> {
     let claimed = ledger::claim_charge(tx, owner.consumer_id, charge, claim, &owner.op_id, now)?;
     let problem = match claimed {
-        ClaimOutcome::Claimed { .. } => return Ok(Prepared::Run(row)),
+        ClaimOutcome::Claimed => return Ok(Prepared::Run(row)),
         ClaimOutcome::NotFound => Problem::NotFound,
         ClaimOutcome::InvalidState(why) => Problem::InvalidChargeState(why),
         ClaimOutcome::ExceedsAuthorization => Problem::CaptureExceedsAuthorization,
@@ -1166,7 +1166,7 @@ fn refund_step(tx: &Connection, owner: &Owner, req: &RefundRequest, now: i64) ->
     };
     Ok(
         match ledger::apply_refund(tx, owner.consumer_id, req, &origin, now)? {
-            RefundOutcome::Created { refund, .. } => {
+            RefundOutcome::Created(refund) => {
                 Step::Decided(RecoveryPoint::Applied, json_response(201, &refund))
             }
             other => Step::Complete(refund_response(other), false),
@@ -1213,7 +1213,7 @@ fn charge_response(outcome: ChargeOutcome) -> (StoredResponse, bool) {
 
 fn refund_response(outcome: RefundOutcome) -> StoredResponse {
     match outcome {
-        RefundOutcome::Created { refund, .. } => json_response(201, &refund),
+        RefundOutcome::Created(refund) => json_response(201, &refund),
         RefundOutcome::ChargeNotFound => problem_response(Problem::NotFound),
         RefundOutcome::NotCaptured => problem_response(Problem::InvalidChargeState(
             "only captured money can be refunded; this charge is not captured".into(),

@@ -457,13 +457,10 @@ pub enum Claim {
 /// The outcome of claiming a held charge for a capture or a cancel.
 #[derive(Debug)]
 pub enum ClaimOutcome {
-    /// The charge is this operation's to capture or cancel: nobody else may.
-    Claimed {
-        /// The acquirer's authorization to capture or void.
-        authorization: String,
-        /// The amount to capture (for a cancel, the amount released).
-        amount: i64,
-    },
+    /// The charge is this operation's to capture or cancel: nobody else
+    /// may. Whoever runs the operation (this owner, or one that takes it
+    /// over) reads its authorization and amount with [`claimed_charge`].
+    Claimed,
     NotFound,
     /// Not `requires_capture`, already claimed by another capture or cancel,
     /// or (for a capture) past its expiry: 409 `invalid-charge-state`.
@@ -506,27 +503,19 @@ pub fn claim_charge(
             ))
         }
     }
-    let amount = match claim {
-        Claim::Capture(amount) => {
-            if row.expires_at_ms.is_some_and(|at| now_ms >= at) {
-                return Ok(ClaimOutcome::InvalidState(
-                    "the authorization expired; it can no longer be captured".into(),
-                ));
-            }
-            let amount = amount.unwrap_or(row.object.amount);
-            if amount > row.object.amount_capturable {
-                return Ok(ClaimOutcome::ExceedsAuthorization);
-            }
-            amount
+    if let Claim::Capture(amount) = claim {
+        if row.expires_at_ms.is_some_and(|at| now_ms >= at) {
+            return Ok(ClaimOutcome::InvalidState(
+                "the authorization expired; it can no longer be captured".into(),
+            ));
         }
-        Claim::Cancel => row.object.amount,
-    };
+        if amount.unwrap_or(row.object.amount) > row.object.amount_capturable {
+            return Ok(ClaimOutcome::ExceedsAuthorization);
+        }
+    }
     tx.prepare_cached("UPDATE charges SET claimed_by = ?2 WHERE id = ?1")?
         .execute(params![row.id, claimer])?;
-    Ok(ClaimOutcome::Claimed {
-        authorization: row.object.authorization,
-        amount,
-    })
+    Ok(ClaimOutcome::Claimed)
 }
 
 /// The authorization and the amount to capture of the charge `claimer`
@@ -711,12 +700,9 @@ fn post_entry(
 
 #[derive(Debug)]
 pub enum RefundOutcome {
-    /// Applied to the ledger; the acquirer's refund of `authorization` is
-    /// due.
-    Created {
-        refund: RefundObject,
-        authorization: String,
-    },
+    /// Applied to the ledger; the acquirer's refund is due (its owner reads
+    /// what to refund with [`applied_refund`]).
+    Created(RefundObject),
     ChargeNotFound,
     /// The charge is not captured (`requires_capture` or `canceled`): 409.
     NotCaptured,
@@ -785,16 +771,13 @@ pub fn apply_refund(
         now_ms,
     )?;
     post_entry(tx, source.id, amount, charge.id, Some(refund_id), now_ms)?;
-    Ok(RefundOutcome::Created {
-        refund: RefundObject {
-            id: public_id,
-            object: "refund",
-            charge: charge.object.id,
-            amount,
-            created_at: rfc3339(now_ms),
-        },
-        authorization: charge.object.authorization,
-    })
+    Ok(RefundOutcome::Created(RefundObject {
+        id: public_id,
+        object: "refund",
+        charge: charge.object.id,
+        amount,
+        created_at: rfc3339(now_ms),
+    }))
 }
 
 /// The charge's authorization and the amount of the refund that the
