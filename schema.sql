@@ -1,4 +1,4 @@
--- idem schema, version 3 (PRAGMA user_version = 3): the whole current schema,
+-- idem schema, version 4 (PRAGMA user_version = 4): the whole current schema,
 -- applied as it is to a new database. An existing database reaches the same
 -- schema through the numbered steps in migrations/ (tests/migrations.rs proves
 -- that both ways give the same schema).
@@ -72,6 +72,9 @@ CREATE TABLE charges (
     -- this hold; the first claim wins and the others answer 409.
     claimed_by           TEXT,
     created_at           INTEGER NOT NULL,
+    -- When a hold was captured (NULL for a charge captured at once, and for
+    -- captures before version 4): when its `charge.captured` event was written.
+    captured_at          INTEGER,
     CHECK (amount_refunded + amount_disputed <= amount_captured),
     CHECK ((status = 'succeeded') = (amount_captured > 0)),
     CHECK ((status = 'requires_capture') = (expires_at IS NOT NULL)),
@@ -84,6 +87,8 @@ CREATE UNIQUE INDEX charges_by_reference ON charges(consumer_id, reference)
     WHERE reference IS NOT NULL;
 -- Holds the reaper expires, oldest first.
 CREATE INDEX charges_expiring ON charges(expires_at) WHERE status = 'requires_capture';
+-- An inbound notification names a charge by its acquirer authorization.
+CREATE INDEX charges_by_authorization ON charges(consumer_id, authorization_id);
 
 CREATE TABLE refunds (
     id               INTEGER PRIMARY KEY,
@@ -106,7 +111,10 @@ CREATE TABLE entries (
     amount      INTEGER NOT NULL CHECK (amount <> 0),
     charge_id   INTEGER NOT NULL REFERENCES charges(id),
     refund_id   INTEGER REFERENCES refunds(id),
-    created_at  INTEGER NOT NULL
+    created_at  INTEGER NOT NULL,
+    -- Set on the two entries of a dispute (a chargeback: money forced back
+    -- from the destination to the source).
+    dispute_id  INTEGER REFERENCES disputes(id)
 );
 CREATE INDEX entries_by_account ON entries(account_id, id);
 CREATE INDEX entries_by_charge ON entries(charge_id);
@@ -170,3 +178,119 @@ CREATE TABLE schema_migrations (
     -- The idem release that applied it (Cargo package version).
     applied_by  TEXT    NOT NULL
 );
+
+-- The transactional outbox: one row per state change, written in the
+-- transaction that made the change. `body` is the event object exactly as
+-- `GET /v1/events/{id}` serves it and every webhook attempt sends it.
+-- Deleted by the reaper past --event-retention, oldest (lowest id) first.
+CREATE TABLE events (
+    id          INTEGER PRIMARY KEY,
+    consumer_id INTEGER NOT NULL REFERENCES consumers(id),
+    public_id   TEXT    NOT NULL UNIQUE,
+    type        TEXT    NOT NULL,
+    -- The public id of the object the event is about (acct_, ch_, re_, dp_),
+    -- so that `idem verify` can pair state changes with their events.
+    object_id   TEXT    NOT NULL,
+    body        BLOB    NOT NULL,
+    created_at  INTEGER NOT NULL
+);
+CREATE INDEX events_by_consumer ON events(consumer_id, id);
+CREATE INDEX events_by_type ON events(consumer_id, type, id);
+
+-- One row: state changes before `pruned_before` (ms) may have lost their
+-- event to retention (or happened before events existed); every later one
+-- has its event.
+CREATE TABLE event_horizon (
+    id             INTEGER PRIMARY KEY CHECK (id = 1),
+    pruned_before  INTEGER NOT NULL
+);
+INSERT INTO event_horizon (id, pruned_before) VALUES (1, 0);
+
+-- Where a consumer's events are delivered (Standard Webhooks). The secret is
+-- kept (it signs every delivery) and shown once, when the endpoint is created.
+-- A deleted endpoint keeps its row (deliveries name it) with deleted_at set.
+CREATE TABLE webhook_endpoints (
+    id              INTEGER PRIMARY KEY,
+    consumer_id     INTEGER NOT NULL REFERENCES consumers(id),
+    public_id       TEXT    NOT NULL UNIQUE,
+    url             TEXT    NOT NULL,
+    -- JSON array of event types, or ["*"].
+    enabled_events  TEXT    NOT NULL,
+    description     TEXT,
+    secret          BLOB    NOT NULL CHECK (length(secret) = 32),
+    created_at      INTEGER NOT NULL,
+    deleted_at      INTEGER
+);
+CREATE INDEX webhook_endpoints_by_consumer ON webhook_endpoints(consumer_id, id);
+
+-- One row per (event, subscribed endpoint), written with the event: the
+-- durable state of its delivery.
+CREATE TABLE deliveries (
+    id               INTEGER PRIMARY KEY,
+    event_id         INTEGER NOT NULL REFERENCES events(id),
+    endpoint_id      INTEGER NOT NULL REFERENCES webhook_endpoints(id),
+    status           TEXT    NOT NULL CHECK (status IN ('pending', 'succeeded', 'failed')),
+    attempts         INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    -- HTTP status of the last attempt (NULL: none yet, or no response).
+    last_status      INTEGER,
+    last_error       TEXT,
+    -- When the next attempt is due (ms); NULL once succeeded or failed.
+    next_attempt_at  INTEGER,
+    updated_at       INTEGER NOT NULL,
+    UNIQUE (event_id, endpoint_id),
+    CHECK ((status = 'pending') = (next_attempt_at IS NOT NULL))
+);
+CREATE INDEX deliveries_due ON deliveries(next_attempt_at) WHERE status = 'pending';
+
+-- Senders of inbound notifications (an acquirer's webhooks), each with the
+-- secret it signs with; owned by the consumer that created it.
+CREATE TABLE notification_sources (
+    id           INTEGER PRIMARY KEY,
+    consumer_id  INTEGER NOT NULL REFERENCES consumers(id),
+    public_id    TEXT    NOT NULL UNIQUE,
+    name         TEXT    NOT NULL,
+    secret       BLOB    NOT NULL CHECK (length(secret) = 32),
+    created_at   INTEGER NOT NULL
+);
+CREATE INDEX notification_sources_by_consumer ON notification_sources(consumer_id, id);
+
+-- Inbound notifications, keyed by the sender's webhook-id per source: the
+-- row is the idempotency record (fingerprint, stored answer) and the
+-- notification itself.
+CREATE TABLE notifications (
+    id               INTEGER PRIMARY KEY,
+    consumer_id      INTEGER NOT NULL REFERENCES consumers(id),
+    source_id        INTEGER NOT NULL REFERENCES notification_sources(id),
+    public_id        TEXT    NOT NULL UNIQUE,
+    webhook_id       TEXT    NOT NULL,
+    fingerprint      BLOB    NOT NULL CHECK (length(fingerprint) = 32),
+    type             TEXT    NOT NULL,
+    -- 'applied' (its effect committed), 'ignored' (nothing to do),
+    -- 'unmatched' (names an authorization not recorded yet: applied in the
+    -- transaction that records it).
+    status           TEXT    NOT NULL CHECK (status IN ('applied', 'ignored', 'unmatched')),
+    authorization    TEXT,
+    body             BLOB    NOT NULL,
+    detail           TEXT,
+    response_status  INTEGER NOT NULL,
+    response_body    BLOB    NOT NULL,
+    received_at      INTEGER NOT NULL,
+    applied_at       INTEGER,
+    UNIQUE (source_id, webhook_id)
+);
+CREATE INDEX notifications_by_consumer ON notifications(consumer_id, id);
+CREATE INDEX notifications_unmatched ON notifications(consumer_id, authorization)
+    WHERE status = 'unmatched';
+
+-- A chargeback applied to a charge: its two entries carry dispute_id.
+CREATE TABLE disputes (
+    id               INTEGER PRIMARY KEY,
+    consumer_id      INTEGER NOT NULL REFERENCES consumers(id),
+    public_id        TEXT    NOT NULL UNIQUE,
+    charge_id        INTEGER NOT NULL REFERENCES charges(id),
+    notification_id  INTEGER NOT NULL UNIQUE REFERENCES notifications(id),
+    amount           INTEGER NOT NULL CHECK (amount > 0),
+    reason           TEXT,
+    created_at       INTEGER NOT NULL
+);
+CREATE INDEX disputes_by_charge ON disputes(charge_id);

@@ -18,13 +18,14 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::acquirer::Acquirer;
-use crate::api::{Answer, Deliver, Problem, Reply};
+use crate::api::{Answer, Deliver, Problem, Reply, JSON};
 use crate::config::{
     Config, FaultPoint, ACQUIRER_OVERRUN_TOLERANCE, OPERATION_QUEUE_LEN_MAX, OPERATION_THREADS,
     RESERVATION_QUEUE_LEN_MAX, RESERVATION_THREADS,
 };
 use crate::consumers;
 use crate::error::{Error, Result};
+use crate::events::{self, EventType};
 use crate::idempotency::{
     self, Attempt, Fingerprint, IdempotencyKey, KeyRow, KeyState, Mode, Owner, RecoveryPoint,
     Reservation, Scope, StoredResponse, Timeouts,
@@ -937,6 +938,21 @@ impl App {
         )
     }
 
+    pub fn list_events(&self, consumer: i64, kind: Option<EventType>, page: &Page) -> Reply {
+        self.read(
+            |c| events::list(c, consumer, kind, page).map(Some),
+            list_reply,
+        )
+    }
+
+    /// The event exactly as it was stored (and is delivered).
+    pub fn get_event(&self, consumer: i64, id: &str) -> Reply {
+        self.read(
+            |c| events::get(c, consumer, id),
+            |e| Reply::raw(200, JSON, e.body),
+        )
+    }
+
     pub fn get_operation(&self, consumer: i64, op_id: &str) -> Reply {
         self.read(
             |c| idempotency::load_operation(c, consumer, op_id),
@@ -1042,6 +1058,14 @@ impl App {
             .call(move |tx| idempotency::delete_expired(tx, cutoff, batch))?;
         self.metrics.keys_reaped.add(n as u64);
         Ok(n)
+    }
+
+    /// Deletes one batch of events past `--event-retention`, with their
+    /// deliveries.
+    pub fn delete_expired_events(&self, batch: usize) -> Result<usize> {
+        let cutoff = now_ms().saturating_sub(crate::time::millis(self.config.event_retention));
+        self.writer
+            .call(move |tx| events::delete_expired(tx, cutoff, batch))
     }
 }
 

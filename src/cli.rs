@@ -96,6 +96,22 @@ struct ServeArgs {
     /// voids its authorization and releases it (`cancellation_reason: expired`).
     #[arg(long, env = "IDEM_AUTHORIZATION_TTL", default_value = "7d", value_parser = parse_authorization_ttl)]
     authorization_ttl: Duration,
+    /// How long events are kept (and listed at /v1/events) before the reaper deletes them.
+    #[arg(long, env = "IDEM_EVENT_RETENTION", default_value = "30d", value_parser = parse_positive_duration)]
+    event_retention: Duration,
+    /// Deadline of one webhook delivery attempt: connect, response headers and body.
+    #[arg(long, env = "IDEM_WEBHOOK_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    webhook_timeout: Duration,
+    /// A failed delivery is retried after a random wait of up to this, doubling with every attempt (full jitter), capped at 1h.
+    #[arg(long, env = "IDEM_WEBHOOK_RETRY_BASE", default_value = "5s", value_parser = parse_positive_duration)]
+    webhook_retry_base: Duration,
+    /// Attempts of one delivery before it is marked failed.
+    #[arg(long, env = "IDEM_WEBHOOK_ATTEMPTS_MAX", default_value_t = config::WEBHOOK_ATTEMPTS_MAX_DEFAULT,
+          value_parser = clap::value_parser!(u32).range(1..=100))]
+    webhook_attempts_max: u32,
+    /// How far an inbound notification's webhook-timestamp may be from now (older or newer: 401).
+    #[arg(long, env = "IDEM_NOTIFICATION_TOLERANCE", default_value = "5m", value_parser = parse_positive_duration)]
+    notification_tolerance: Duration,
     /// Latency of the built-in simulated acquirer: how long it takes to decide a new authorization (a repeated call for the same operation answers once it is decided).
     #[arg(long, env = "IDEM_ACQUIRER_LATENCY", default_value = "0ms", value_parser = parse_duration)]
     acquirer_latency: Duration,
@@ -316,6 +332,11 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
         config.fault_operation = operation;
     }
     config.authorization_ttl = args.authorization_ttl;
+    config.event_retention = args.event_retention;
+    config.webhook_timeout = args.webhook_timeout;
+    config.webhook_retry_base = args.webhook_retry_base;
+    config.webhook_attempts_max = args.webhook_attempts_max;
+    config.notification_tolerance = args.notification_tolerance;
     // Signal handlers are installed before the server starts, so a signal
     // that arrives right after "listening" is never the default (fatal) one.
     let (signals, mut interrupt, mut terminate) = install_signal_handlers()?;

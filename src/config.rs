@@ -70,6 +70,24 @@ pub const AUTHORIZATION_TTL_MAX: Duration = Duration::from_secs(365 * 24 * 3600)
 /// typo, and every duration then fits the i64 milliseconds of the database.
 pub const DURATION_MAX: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 pub const REAPER_DELETE_BATCH_LEN: usize = 500;
+/// How long events are kept (`--event-retention`): 30 days, long past any
+/// webhook retry schedule (the last of 12 attempts falls within a day), so
+/// a back office that was down for weeks can still page through what it
+/// missed.
+pub const EVENT_RETENTION_DEFAULT: Duration = Duration::from_secs(30 * 24 * 3600);
+/// A webhook attempt that has not completed (connect, headers and body)
+/// within this is a failure and is retried (`--webhook-timeout`).
+pub const WEBHOOK_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
+/// The first retry of a failed delivery waits up to this (full jitter), each
+/// later one up to twice as long (`--webhook-retry-base`).
+pub const WEBHOOK_RETRY_BASE_DEFAULT: Duration = Duration::from_secs(5);
+/// No retry waits longer than this, however many attempts failed.
+pub const WEBHOOK_RETRY_CAP: Duration = Duration::from_secs(3600);
+/// Attempts of one delivery before it is `failed` (`--webhook-attempts-max`).
+pub const WEBHOOK_ATTEMPTS_MAX_DEFAULT: u32 = 12;
+/// How far an inbound notification's `webhook-timestamp` may be from now
+/// (`--notification-tolerance`): the Standard Webhooks default, 5 minutes.
+pub const NOTIFICATION_TOLERANCE_DEFAULT: Duration = Duration::from_secs(300);
 /// How long a completed idempotency key is kept and replayed
 /// (`--key-retention`), unless configured: a day covers any client's retry
 /// schedule, including a batch job re-run the next morning.
@@ -367,6 +385,17 @@ pub struct Config {
     pub fault_operation: Option<String>,
     /// How long a `requires_capture` hold lives before the reaper voids it.
     pub authorization_ttl: Duration,
+    /// How long events are kept before the reaper deletes them.
+    pub event_retention: Duration,
+    /// Deadline of one webhook attempt (connect, headers and body).
+    pub webhook_timeout: Duration,
+    /// Backoff base of webhook retries (full jitter, doubling, capped at
+    /// [`WEBHOOK_RETRY_CAP`]).
+    pub webhook_retry_base: Duration,
+    /// Attempts of one delivery before it is `failed`.
+    pub webhook_attempts_max: u32,
+    /// How far an inbound notification's timestamp may be from now.
+    pub notification_tolerance: Duration,
     pub hooks: Hooks,
     /// Run `idem verify`'s checks before serving and refuse a database that
     /// fails them (`--skip-verify` turns this off).
@@ -390,6 +419,11 @@ impl Config {
             fault: None,
             fault_operation: None,
             authorization_ttl: AUTHORIZATION_TTL_DEFAULT,
+            event_retention: EVENT_RETENTION_DEFAULT,
+            webhook_timeout: WEBHOOK_TIMEOUT_DEFAULT,
+            webhook_retry_base: WEBHOOK_RETRY_BASE_DEFAULT,
+            webhook_attempts_max: WEBHOOK_ATTEMPTS_MAX_DEFAULT,
+            notification_tolerance: NOTIFICATION_TOLERANCE_DEFAULT,
             hooks: Hooks::default(),
             verify_on_start: true,
         }
@@ -415,6 +449,20 @@ impl Config {
                  client can parse, far past any card network's authorization)"
                     .into(),
             );
+        }
+        if self.event_retention.is_zero()
+            || self.webhook_timeout.is_zero()
+            || self.webhook_retry_base.is_zero()
+            || self.notification_tolerance.is_zero()
+        {
+            return Err(
+                "--event-retention, --webhook-timeout, --webhook-retry-base and \
+                 --notification-tolerance must be longer than 0ms"
+                    .into(),
+            );
+        }
+        if self.webhook_attempts_max == 0 {
+            return Err("--webhook-attempts-max must be at least 1".into());
         }
         let Some(timeout) = self.acquirer_timeout else {
             return Ok(());

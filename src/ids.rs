@@ -7,7 +7,13 @@ pub const ACCOUNT: &str = "acct_";
 pub const CHARGE: &str = "ch_";
 pub const REFUND: &str = "re_";
 pub const OPERATION: &str = "op_";
-pub const ENTRY: &str = "evt_";
+/// Entries written before version 4 kept `evt_`; ids are opaque, so they stay.
+pub const ENTRY: &str = "ent_";
+pub const EVENT: &str = "evt_";
+pub const WEBHOOK_ENDPOINT: &str = "we_";
+pub const NOTIFICATION_SOURCE: &str = "src_";
+pub const NOTIFICATION: &str = "ntf_";
+pub const DISPUTE: &str = "dp_";
 pub const CONSUMER: &str = "cons_";
 
 pub fn new_id(prefix: &str) -> String {

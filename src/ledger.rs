@@ -10,6 +10,7 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 use serde_json::Value;
 
 use crate::error::Result;
+use crate::events::{self, EventType};
 use crate::idempotency::Fingerprint;
 use crate::ids;
 use crate::json;
@@ -181,7 +182,16 @@ pub fn create_account(
         row.metadata,
         now_ms
     ])?;
-    Ok(AccountOutcome::Created(row.object()))
+    let object = row.object();
+    events::record(
+        tx,
+        consumer_id,
+        EventType::AccountCreated,
+        &object.id,
+        &object,
+        now_ms,
+    )?;
+    Ok(AccountOutcome::Created(object))
 }
 
 // ---------------------------------------------------------------------------
@@ -410,7 +420,7 @@ pub fn apply_charge(
     } else {
         hold(tx, source.id, destination.id, req.amount)?;
     }
-    Ok(ChargeOutcome::Created(ChargeObject {
+    let object = ChargeObject {
         id: public_id,
         object: "charge",
         amount: req.amount,
@@ -430,7 +440,14 @@ pub fn apply_charge(
         canceled_at: None,
         cancellation_reason: None,
         created_at: rfc3339(now_ms),
-    }))
+    };
+    let kind = if req.capture {
+        EventType::ChargeSucceeded
+    } else {
+        EventType::ChargeAuthorized
+    };
+    events::record(tx, consumer_id, kind, &object.id, &object, now_ms)?;
+    Ok(ChargeOutcome::Created(object))
 }
 
 /// Places (positive `amount`) or releases (negative) a hold: the source's
@@ -575,12 +592,21 @@ pub fn apply_capture(
     post_entry(tx, row.destination_id, amount, row.id, None, now_ms)?;
     tx.prepare_cached(
         "UPDATE charges SET status = 'succeeded', amount_captured = ?2, expires_at = NULL, \
-         claimed_by = NULL WHERE id = ?1",
+         claimed_by = NULL, captured_at = ?3 WHERE id = ?1",
     )?
-    .execute(params![row.id, amount])?;
-    Ok(find_charge(tx, consumer_id, charge)?
+    .execute(params![row.id, amount, now_ms])?;
+    let object = find_charge(tx, consumer_id, charge)?
         .expect("the charge was just updated")
-        .object)
+        .object;
+    events::record(
+        tx,
+        consumer_id,
+        EventType::ChargeCaptured,
+        &object.id,
+        &object,
+        now_ms,
+    )?;
+    Ok(object)
 }
 
 /// Why a hold was released without a capture.
@@ -612,9 +638,18 @@ pub fn apply_cancel(
          expires_at = NULL, claimed_by = NULL WHERE id = ?1",
     )?
     .execute(params![row.id, now_ms, reason])?;
-    Ok(find_charge(tx, consumer_id, charge)?
+    let object = find_charge(tx, consumer_id, charge)?
         .expect("the charge was just updated")
-        .object)
+        .object;
+    events::record(
+        tx,
+        consumer_id,
+        EventType::ChargeCanceled,
+        &object.id,
+        &object,
+        now_ms,
+    )?;
+    Ok(object)
 }
 
 /// Who claims a hold when the reaper expires it.
@@ -771,13 +806,22 @@ pub fn apply_refund(
         now_ms,
     )?;
     post_entry(tx, source.id, amount, charge.id, Some(refund_id), now_ms)?;
-    Ok(RefundOutcome::Created(RefundObject {
+    let object = RefundObject {
         id: public_id,
         object: "refund",
         charge: charge.object.id,
         amount,
         created_at: rfc3339(now_ms),
-    }))
+    };
+    events::record(
+        tx,
+        consumer_id,
+        EventType::RefundCreated,
+        &object.id,
+        &object,
+        now_ms,
+    )?;
+    Ok(RefundOutcome::Created(object))
 }
 
 /// The charge's authorization and the amount of the refund that the
@@ -801,7 +845,7 @@ pub struct UnknownCursor;
 /// Runs a newest-first page query. `cursor_sql` maps the public id in
 /// `starting_after` to the internal id (or nothing); `page_sql` takes the
 /// scope parameter, an exclusive upper bound on the internal id, and a limit.
-fn page<T>(
+pub(crate) fn page<T>(
     conn: &Connection,
     scope: i64,
     page: &Page,

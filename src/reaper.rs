@@ -2,8 +2,8 @@
 //! owner has been silent past `--inflight-timeout`) to completion from their
 //! recovery point, so the ledger converges even if no client retries; voids
 //! and releases holds past `--authorization-ttl`; and deletes completed keys
-//! past `--key-retention` in small batches, each its own short write
-//! transaction.
+//! past `--key-retention` and events past `--event-retention` in small
+//! batches, each its own short write transaction.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -79,6 +79,16 @@ pub fn pass(app: &App) {
             Ok(_) => break,
             Err(e) => {
                 log::warn!("reaper: cannot delete expired keys: {e}");
+                break;
+            }
+        }
+    }
+    loop {
+        match app.delete_expired_events(REAPER_DELETE_BATCH_LEN) {
+            Ok(n) if n == REAPER_DELETE_BATCH_LEN => continue,
+            Ok(_) => break,
+            Err(e) => {
+                log::warn!("reaper: cannot delete expired events: {e}");
                 break;
             }
         }

@@ -296,7 +296,7 @@ fn lists_page_newest_first() {
     assert!(entries["data"][0]["id"]
         .as_str()
         .unwrap()
-        .starts_with("evt_"));
+        .starts_with("ent_"));
 }
 
 /// Every route, with another consumer's ids and idempotency keys: 404

@@ -9,6 +9,7 @@ use super::Request;
 use crate::api::{Answer, Problem, Reply, JSON, OPENAPI_DOCUMENT};
 use crate::app::App;
 use crate::config::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
+use crate::events::EventType;
 use crate::idempotency::{IdempotencyKey, KeyError, Mode};
 use crate::model::{
     parse_object, AccountRequest, CancelRequest, CaptureRequest, ChargeRequest, FieldError, Page,
@@ -30,6 +31,8 @@ pub enum Route<'a> {
     Capture(&'a str),
     Cancel(&'a str),
     Operation(&'a str),
+    Events,
+    Event(&'a str),
 }
 
 impl Route<'_> {
@@ -47,6 +50,8 @@ impl Route<'_> {
             Route::Capture(_) => "/v1/charges/{id}/capture",
             Route::Cancel(_) => "/v1/charges/{id}/cancel",
             Route::Operation(_) => "/v1/operations/{id}",
+            Route::Events => "/v1/events",
+            Route::Event(_) => "/v1/events/{id}",
         }
     }
 
@@ -98,6 +103,8 @@ pub fn match_route(path: &str) -> Option<Route<'_>> {
         ["v1", "charges", id, "capture"] if id_ok(id) => Route::Capture(id),
         ["v1", "charges", id, "cancel"] if id_ok(id) => Route::Cancel(id),
         ["v1", "operations", id] if id_ok(id) => Route::Operation(id),
+        ["v1", "events"] => Route::Events,
+        ["v1", "events", id] if id_ok(id) => Route::Event(id),
         _ => return None,
     })
 }
@@ -122,6 +129,9 @@ pub enum Command<'a> {
     ListCharges(Page),
     GetCharge(&'a str),
     GetOperation(&'a str),
+    /// `GET /v1/events`, of one type if filtered.
+    ListEvents(Page, Option<EventType>),
+    GetEvent(&'a str),
 }
 
 /// A decoded POST: its key (required unless `K` is an `Option`), its mode,
@@ -178,6 +188,8 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer
         Command::ListCharges(page) => app.list_charges(consumer, &page).into(),
         Command::GetCharge(id) => app.get_charge(consumer, id).into(),
         Command::GetOperation(id) => app.get_operation(consumer, id).into(),
+        Command::ListEvents(page, kind) => app.list_events(consumer, kind, &page).into(),
+        Command::GetEvent(id) => app.get_event(consumer, id).into(),
         Command::Healthz | Command::Metrics | Command::OpenApi => {
             unreachable!("a public route authenticated")
         }
@@ -271,6 +283,18 @@ pub fn decode<'a>(req: &'a Request, route: Option<Route<'a>>) -> Result<Command<
         (_, Route::Charges) => Command::ListCharges(page(req)?),
         (_, Route::Charge(id)) => Command::GetCharge(id),
         (_, Route::Operation(id)) => Command::GetOperation(id),
+        (_, Route::Events) => {
+            let (page, kind) = filtered_page(req, "type")?;
+            let kind = kind
+                .map(|k| {
+                    EventType::parse(&k).ok_or_else(|| {
+                        Problem::InvalidRequest(format!("type: '{k}' is not an event type"))
+                    })
+                })
+                .transpose()?;
+            Command::ListEvents(page, kind)
+        }
+        (_, Route::Event(id)) => Command::GetEvent(id),
         (_, route) => unreachable!("method {method} allowed on {}", route.template()),
     })
 }
@@ -333,6 +357,13 @@ fn mode(req: &Request) -> Mode {
 }
 
 fn page(req: &Request) -> Result<Page, Problem> {
+    filtered_page(req, "").map(|(page, _)| page)
+}
+
+/// A list's page and the value of its one filter parameter `filter` (such
+/// as `type`), which must not be empty when given.
+fn filtered_page(req: &Request, filter: &str) -> Result<(Page, Option<String>), Problem> {
+    let mut filtered = None;
     let mut page = Page {
         limit: LIST_LIMIT_DEFAULT,
         starting_after: None,
@@ -362,6 +393,14 @@ fn page(req: &Request) -> Result<Page, Problem> {
                     "starting_after: must not be empty".into(),
                 ))
             }
+            name if !filter.is_empty() && name == filter => {
+                if value.is_empty() {
+                    return Err(Problem::InvalidRequest(format!(
+                        "{name}: must not be empty"
+                    )));
+                }
+                filtered = Some(value);
+            }
             other => {
                 return Err(Problem::InvalidRequest(format!(
                     "{other}: unknown query parameter"
@@ -369,7 +408,7 @@ fn page(req: &Request) -> Result<Page, Problem> {
             }
         }
     }
-    Ok(page)
+    Ok((page, filtered))
 }
 
 fn percent_decode(s: &str) -> Option<String> {

@@ -49,6 +49,11 @@ pub(crate) const STEPS: &[Step] = &[
         name: "two_phase",
         sql: include_str!("../../migrations/0003_two_phase.sql"),
     },
+    Step {
+        version: 4,
+        name: "events",
+        sql: include_str!("../../migrations/0004_events.sql"),
+    },
 ];
 
 /// The schema, embedded at build time: what a new database is created with.
