@@ -36,7 +36,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the ledger server.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Manage API consumers and their secret keys.
     Consumers {
         #[command(subcommand)]
@@ -214,7 +214,7 @@ pub fn run() -> Result<i32> {
         Err(e) => e.exit(),
     };
     match cli.command {
-        Command::Serve(args) => serve(cli.db, args),
+        Command::Serve(args) => serve(cli.db, *args),
         Command::Consumers {
             command: ConsumersCommand::Create { name },
         } => {

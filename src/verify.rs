@@ -238,6 +238,62 @@ const CHECKS: &[(&str, Check)] = &[
         ),
     ),
     (
+        "events. no state change has two events",
+        Check::Query(
+            "SELECT 'consumer ' || consumer_id || ': ' || object_id || ' has ' || count(*) || \
+             ' ' || type || ' events' FROM events GROUP BY consumer_id, type, object_id \
+             HAVING count(*) > 1",
+        ),
+    ),
+    (
+        "events. every state change since the event horizon has its event",
+        // The horizon: events before it may be gone to retention (or the
+        // change predates events). Set differences, not correlated
+        // subqueries, so the check stays O(n log n) on a large ledger.
+        Check::Query(
+            "WITH h AS (SELECT pruned_before AS t FROM event_horizon), \
+             missing AS ( \
+               SELECT 'account.created' AS type, consumer_id, public_id FROM accounts \
+                 WHERE created_at >= (SELECT t FROM h) \
+               UNION ALL SELECT 'charge.succeeded', consumer_id, public_id FROM charges \
+                 WHERE status = 'succeeded' AND captured_at IS NULL \
+                 AND created_at >= (SELECT t FROM h) \
+               UNION ALL SELECT 'charge.authorized', consumer_id, public_id FROM charges \
+                 WHERE (status <> 'succeeded' OR captured_at IS NOT NULL) \
+                 AND created_at >= (SELECT t FROM h) \
+               UNION ALL SELECT 'charge.captured', consumer_id, public_id FROM charges \
+                 WHERE captured_at >= (SELECT t FROM h) \
+               UNION ALL SELECT 'charge.canceled', consumer_id, public_id FROM charges \
+                 WHERE canceled_at >= (SELECT t FROM h) \
+               UNION ALL SELECT 'refund.created', consumer_id, public_id FROM refunds \
+                 WHERE created_at >= (SELECT t FROM h) \
+               UNION ALL SELECT 'charge.dispute.created', consumer_id, public_id FROM disputes \
+                 WHERE created_at >= (SELECT t FROM h) \
+               EXCEPT SELECT type, consumer_id, object_id FROM events) \
+             SELECT 'consumer ' || consumer_id || ': ' || public_id || ' has no ' || type || \
+             ' event' FROM missing",
+        ),
+    ),
+    (
+        "events. every event names an object in the state it announces",
+        Check::Query(
+            "WITH stray AS ( \
+               SELECT type, consumer_id, object_id FROM events \
+               EXCEPT SELECT 'account.created', consumer_id, public_id FROM accounts \
+               EXCEPT SELECT 'charge.succeeded', consumer_id, public_id FROM charges \
+                 WHERE status = 'succeeded' AND captured_at IS NULL \
+               EXCEPT SELECT 'charge.authorized', consumer_id, public_id FROM charges \
+               EXCEPT SELECT 'charge.captured', consumer_id, public_id FROM charges \
+                 WHERE captured_at IS NOT NULL AND status = 'succeeded' \
+               EXCEPT SELECT 'charge.canceled', consumer_id, public_id FROM charges \
+                 WHERE status = 'canceled' \
+               EXCEPT SELECT 'refund.created', consumer_id, public_id FROM refunds \
+               EXCEPT SELECT 'charge.dispute.created', consumer_id, public_id FROM disputes) \
+             SELECT 'consumer ' || consumer_id || ': event ' || type || ' names ' || \
+             object_id || ', which is not in that state' FROM stray",
+        ),
+    ),
+    (
         "5/8. no account without allow_negative is negative",
         Check::Query(
             "SELECT 'account ' || public_id || ' is at ' || balance FROM accounts \

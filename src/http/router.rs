@@ -85,6 +85,8 @@ pub const ROUTES: &[&str] = &[
     "/v1/charges/{id}/capture",
     "/v1/charges/{id}/cancel",
     "/v1/operations/{id}",
+    "/v1/events",
+    "/v1/events/{id}",
 ];
 
 pub fn match_route(path: &str) -> Option<Route<'_>> {
