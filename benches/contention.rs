@@ -14,7 +14,9 @@
 //! charges through the library on an in-process server with the default
 //! configuration — `IDEM_BENCH_SERVER_ARGS` does not reach it — vs HTTP),
 //! `rss` (the server's RSS over a long run of unique charges, sampled at
-//! intervals, vs its first sample under load), and, only when named,
+//! intervals, vs its first sample under load), `webhooks` (unique charges
+//! with one subscribed endpoint, a receiver in this process, vs none, and
+//! the time from each event's commit to its arrival), and, only when named,
 //! `batch_sweep` (how the default
 //! `--commit-batch-max` was chosen).
 //! Results go to `target/bench/contention.json`.
@@ -561,6 +563,138 @@ fn ratio(a: f64, b: f64) -> String {
 }
 
 // ---------------------------------------------------------------------------
+// A webhook receiver
+
+/// A local webhook receiver: keep-alive HTTP/1.1, one thread per
+/// connection, answering 200 at once; records each distinct `webhook-id`
+/// with how long after its event's `created_at` it first arrived.
+struct Receiver {
+    addr: SocketAddr,
+    /// webhook-id → (arrival − created_at in µs, created_at in ms).
+    seen: Arc<Mutex<BTreeMap<String, (u64, i64)>>>,
+    started_ms: i64,
+}
+
+fn wall_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64
+}
+
+/// Milliseconds since the epoch of an RFC 3339 UTC time as idem writes it
+/// (`2026-11-30T18:11:01.350Z`).
+fn rfc3339_ms(t: &str) -> Option<i64> {
+    let num = |a: usize, b: usize| t.get(a..b)?.parse::<i64>().ok();
+    let (y, mo, d) = (num(0, 4)?, num(5, 7)?, num(8, 10)?);
+    let (h, mi, s, ms) = (num(11, 13)?, num(14, 16)?, num(17, 19)?, num(20, 23)?);
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let (y2, m2) = if mo <= 2 {
+        (y - 1, mo + 9)
+    } else {
+        (y, mo - 3)
+    };
+    let era = y2.div_euclid(400);
+    let yoe = y2 - era * 400;
+    let doy = (153 * m2 + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some((((days * 24 + h) * 60 + mi) * 60 + s) * 1000 + ms)
+}
+
+impl Receiver {
+    fn start() -> Receiver {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen: Arc<Mutex<BTreeMap<String, (u64, i64)>>> = Arc::default();
+        let shared = seen.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let seen = shared.clone();
+                std::thread::spawn(move || Receiver::serve(stream, &seen));
+            }
+        });
+        Receiver {
+            addr,
+            seen,
+            started_ms: wall_us() / 1000,
+        }
+    }
+
+    fn serve(stream: TcpStream, seen: &Mutex<BTreeMap<String, (u64, i64)>>) {
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            let (mut len, mut id) = (0usize, String::new());
+            loop {
+                line.clear();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                    return;
+                }
+                let l = line.trim_end();
+                if l.is_empty() {
+                    break;
+                }
+                let lower = l.to_ascii_lowercase();
+                if let Some(v) = lower.strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap_or(0);
+                } else if lower.starts_with("webhook-id:") {
+                    id = l["webhook-id:".len()..].trim().to_string();
+                }
+            }
+            let mut body = vec![0; len];
+            if reader.read_exact(&mut body).is_err() {
+                return;
+            }
+            let arrived_us = wall_us();
+            let created_ms = serde_json::from_slice::<Value>(&body)
+                .ok()
+                .and_then(|e| rfc3339_ms(e["created_at"].as_str()?));
+            if let Some(created_ms) = created_ms {
+                let delay = (arrived_us - created_ms * 1000).max(0) as u64;
+                seen.lock()
+                    .unwrap()
+                    .entry(id)
+                    .or_insert((delay, created_ms));
+            }
+            let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+            if reader.get_mut().write_all(ok).is_err() {
+                return;
+            }
+        }
+    }
+
+    fn distinct(&self) -> u64 {
+        self.seen.lock().unwrap().len() as u64
+    }
+
+    /// Delays (µs) of the events created within `seconds` of the first
+    /// load (after the receiver started), i.e. while the load ran.
+    fn delays_us_during(&self, seconds: f64) -> Vec<u64> {
+        let first = self
+            .seen
+            .lock()
+            .unwrap()
+            .values()
+            .map(|(_, at)| *at)
+            .min()
+            .unwrap_or(self.started_ms);
+        let until = first + (seconds * 1000.0) as i64;
+        self.seen
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|(_, at)| *at <= until)
+            .map(|(d, _)| *d)
+            .collect()
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Scenarios
 
 struct Bench {
@@ -767,6 +901,107 @@ impl Bench {
             )
         );
         self.results.insert("hot_account".into(), json!(rows));
+    }
+
+    /// Unique charges at 64 connections with one webhook endpoint subscribed
+    /// to every event (a local receiver in this process) vs none, rounds
+    /// alternating; and the time from each event's commit to its arrival.
+    fn webhooks(&mut self) {
+        const CONNS: usize = 64;
+        let mut rounds: Vec<Vec<Value>> = vec![Vec::new(), Vec::new()];
+        let mut arrivals = Vec::new();
+        for _ in 0..self.rounds {
+            for (i, subscribed) in [false, true].into_iter().enumerate() {
+                let server = ServerProc::start(&[]);
+                let receiver = subscribed.then(|| {
+                    let receiver = Receiver::start();
+                    let body = json!({"url": format!("http://{}/hook", receiver.addr),
+                                      "enabled_events": ["*"]})
+                    .to_string();
+                    let made = Conn::new(server.addr, &server.key)
+                        .request("POST", "/v1/webhook_endpoints", None, &body)
+                        .unwrap();
+                    assert_eq!(made.status, 201, "{}", String::from_utf8_lossy(&made.body));
+                    receiver
+                });
+                setup_accounts(server.addr, &server.key, CONNS);
+                let run = drive(
+                    server.addr,
+                    &server.key,
+                    CONNS,
+                    self.duration,
+                    unique_keys(CONNS, false),
+                );
+                assert_one_charge_per_201(&server, &run);
+                let label = if subscribed {
+                    "one endpoint subscribed"
+                } else {
+                    "no endpoint (baseline)"
+                };
+                let mut r = row(&format!("{label}, {CONNS} conns"), &run, CONNS);
+                if let Some(receiver) = receiver {
+                    // Every event of the run (the accounts' and the charges')
+                    // must arrive; wait for the backlog, then read delays.
+                    let events = 2 * CONNS as u64 + run.ok() as u64;
+                    let drained = Instant::now();
+                    while receiver.distinct() < events
+                        && drained.elapsed() < Duration::from_secs(120)
+                    {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    r["events"] = json!(events);
+                    r["delivered"] = json!(receiver.distinct());
+                    r["drain_s_after_load"] = json!(drained.elapsed().as_secs_f64());
+                    let mut delays = receiver.delays_us_during(run.seconds);
+                    delays.sort_unstable();
+                    r["delivery_p50_ms"] = json!(pct(&delays, 0.50));
+                    r["delivery_p99_ms"] = json!(pct(&delays, 0.99));
+                    r["delivery_max_ms"] = json!(pct(&delays, 1.0));
+                    arrivals.push(r.clone());
+                }
+                rounds[i].push(r);
+            }
+        }
+        let pair: Vec<Value> = rounds.into_iter().map(median_by_rate).collect();
+        print_table(
+            "webhooks: unique charges with one subscribed endpoint vs none",
+            &pair,
+        );
+        println!(
+            "
+subscribed/none throughput: {}",
+            ratio(
+                pair[1]["per_second"].as_f64().unwrap(),
+                pair[0]["per_second"].as_f64().unwrap()
+            )
+        );
+        println!(
+            "
+| round | events | delivered | drain after load s | commit→arrival p50 ms | p99 ms | max ms |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+        for (n, a) in arrivals.iter().enumerate() {
+            println!(
+                "| {} | {} | {} | {:.2} | {:.1} | {:.1} | {:.1} |",
+                n + 1,
+                a["events"],
+                a["delivered"],
+                a["drain_s_after_load"].as_f64().unwrap(),
+                a["delivery_p50_ms"].as_f64().unwrap_or(f64::NAN),
+                a["delivery_p99_ms"].as_f64().unwrap_or(f64::NAN),
+                a["delivery_max_ms"].as_f64().unwrap_or(f64::NAN),
+            );
+        }
+        println!(
+            "
+(commit→arrival: the receiver's clock at arrival minus the event's created_at, \
+             taken just before its transaction commits, so it includes the commit itself; \
+             over the events created while the load ran)"
+        );
+        self.results.insert(
+            "webhooks".into(),
+            json!({"runs": pair, "deliveries": arrivals}),
+        );
     }
 
     /// How `--commit-batch-max` was chosen: 64 connections, unique keys.
@@ -1030,6 +1265,9 @@ fn main() {
     }
     if want("rss") {
         bench.rss();
+    }
+    if want("webhooks") {
+        bench.webhooks();
     }
     // Not in the default set: it only re-derives the default batch size.
     if selected.iter().any(|s| s == "batch_sweep") {
