@@ -318,7 +318,11 @@ mod tests {
         assert_eq!(backoff_ms(5_000, cap, 2, 10_000), 10_000);
         assert_eq!(backoff_ms(5_000, cap, 3, 20_000), 20_000);
         assert_eq!(backoff_ms(5_000, cap, 3, 20_001), 0);
-        for attempts in [10, 11, 12, 40, 63, 64, u32::MAX] {
+        // 5 s · 2^9 is still under the hour; from the 11th attempt on the
+        // cap decides.
+        assert_eq!(backoff_ms(5_000, cap, 10, 2_560_000), 2_560_000);
+        assert_eq!(backoff_ms(5_000, cap, 10, 2_560_001), 0);
+        for attempts in [11, 12, 40, 63, 64, u32::MAX] {
             assert!(top(attempts) <= cap, "{attempts}");
             assert_eq!(backoff_ms(5_000, cap, attempts, cap as u64), cap);
         }
