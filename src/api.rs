@@ -183,6 +183,16 @@ pub enum Problem {
     CaptureExceedsAuthorization,
     /// A balance would leave the range of a 64-bit integer.
     BalanceOverflow,
+    /// An inbound notification's signature is missing, wrong or too old,
+    /// or its source does not exist (indistinguishable on purpose); the
+    /// detail says which header or rule, never whether the source exists.
+    SignatureInvalid(String),
+    /// A notification's `webhook-id` (its idempotency key) is not 1 to 255
+    /// printable ASCII characters.
+    WebhookIdInvalid,
+    /// A chargeback of more than the charge has left
+    /// (`amount_captured - amount_refunded - amount_disputed`).
+    DisputeExceedsCharge,
     TemporarilyUnavailable(String),
     Internal,
 }
@@ -202,7 +212,8 @@ impl Problem {
             Problem::InvalidRequest(_)
             | Problem::IdempotencyKeyMissing
             | Problem::IdempotencyKeyInvalid => 400,
-            Problem::Unauthorized => 401,
+            Problem::WebhookIdInvalid => 400,
+            Problem::Unauthorized | Problem::SignatureInvalid(_) => 401,
             Problem::InsufficientFunds => 402,
             Problem::NotFound | Problem::AccountNotFound => 404,
             Problem::MethodNotAllowed { .. } => 405,
@@ -215,7 +226,8 @@ impl Problem {
             | Problem::ResourceMismatch
             | Problem::RefundExceedsCharge
             | Problem::CaptureExceedsAuthorization
-            | Problem::BalanceOverflow => 422,
+            | Problem::BalanceOverflow
+            | Problem::DisputeExceedsCharge => 422,
             Problem::Internal => 500,
             Problem::TemporarilyUnavailable(_) => 503,
         }
@@ -241,6 +253,9 @@ impl Problem {
             Problem::InvalidChargeState(_) => "invalid-charge-state",
             Problem::CaptureExceedsAuthorization => "capture-exceeds-authorization",
             Problem::BalanceOverflow => "balance-overflow",
+            Problem::SignatureInvalid(_) => "signature-invalid",
+            Problem::WebhookIdInvalid => "idempotency-key-invalid",
+            Problem::DisputeExceedsCharge => "dispute-exceeds-charge",
             Problem::TemporarilyUnavailable(_) => "temporarily-unavailable",
             Problem::Internal => "internal-error",
         }
@@ -266,6 +281,9 @@ impl Problem {
             Problem::InvalidChargeState(_) => "Invalid charge state",
             Problem::CaptureExceedsAuthorization => "Capture exceeds authorization",
             Problem::BalanceOverflow => "Balance overflow",
+            Problem::SignatureInvalid(_) => "Signature invalid",
+            Problem::WebhookIdInvalid => "webhook-id header invalid",
+            Problem::DisputeExceedsCharge => "Dispute exceeds charge",
             Problem::TemporarilyUnavailable(_) => "Temporarily unavailable",
             Problem::Internal => "Internal error",
         }
@@ -275,7 +293,15 @@ impl Problem {
         match self {
             Problem::InvalidRequest(detail)
             | Problem::TemporarilyUnavailable(detail)
-            | Problem::InvalidChargeState(detail) => detail.clone(),
+            | Problem::InvalidChargeState(detail)
+            | Problem::SignatureInvalid(detail) => detail.clone(),
+            Problem::WebhookIdInvalid => format!(
+                "a webhook-id is 1 to {} printable ASCII characters without spaces",
+                crate::config::IDEMPOTENCY_KEY_LEN_MAX
+            ),
+            Problem::DisputeExceedsCharge => "the chargeback exceeds what is left of the charge \
+                 (amount_captured - amount_refunded - amount_disputed)"
+                .into(),
             Problem::BodyTooLarge => format!(
                 "the body is larger than {} bytes",
                 crate::config::BODY_SIZE_MAX_BYTES

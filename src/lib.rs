@@ -33,6 +33,7 @@ pub mod error;
 pub mod events;
 pub mod http;
 pub mod idempotency;
+pub mod inbound;
 pub mod ids;
 pub mod json;
 pub mod ledger;

@@ -69,6 +69,10 @@ impl Counter {
     }
 }
 
+/// The `status` labels of `idem_notifications_total`, in the order of
+/// [`Metrics::notifications`].
+pub const NOTIFICATION_STATUSES: [&str; 3] = ["applied", "ignored", "unmatched"];
+
 pub struct Metrics {
     /// (route template, status) → count.
     http_requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
@@ -85,6 +89,11 @@ pub struct Metrics {
     pub keys_reaped: Counter,
     /// Holds the reaper voided and released after `--authorization-ttl`.
     pub authorizations_expired: Counter,
+    /// Inbound notifications by the status they were stored with
+    /// (`applied`, `ignored`, `unmatched`; an `unmatched` one settled later
+    /// is not counted again). Replays and refused deliveries are not
+    /// counted here.
+    pub notifications: [Counter; 3],
     pub commit_batch_size: Histogram,
     pub commit_duration_seconds: Histogram,
 }
@@ -101,6 +110,7 @@ impl Default for Metrics {
             orphans_taken_over: Counter::default(),
             keys_reaped: Counter::default(),
             authorizations_expired: Counter::default(),
+            notifications: Default::default(),
             commit_batch_size: Histogram::new(BATCH_BUCKETS),
             commit_duration_seconds: Histogram::new(SECONDS_BUCKETS),
         }
@@ -182,6 +192,17 @@ impl Metrics {
                 let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
             }
             let _ = writeln!(out, "{name}{labels} {}", counter.get());
+        }
+        out.push_str(
+            "# HELP idem_notifications_total Inbound notifications stored, by the status \
+             they were received with.\n# TYPE idem_notifications_total counter\n",
+        );
+        for (status, counter) in NOTIFICATION_STATUSES.iter().zip(&self.notifications) {
+            let _ = writeln!(
+                out,
+                "idem_notifications_total{{status=\"{status}\"}} {}",
+                counter.get()
+            );
         }
         self.commit_batch_size.render(
             "idem_commit_batch_size",

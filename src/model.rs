@@ -343,6 +343,8 @@ pub enum Operation {
     Refund(RefundRequest),
     Capture(CaptureRequest),
     Cancel(CancelRequest),
+    /// `POST /v1/notification_sources` with an `Idempotency-Key`.
+    NotificationSource(crate::inbound::SourceRequest),
 }
 
 // ---------------------------------------------------------------------------
@@ -409,6 +411,8 @@ pub struct EntryObject {
     pub amount: i64,
     pub charge: String,
     pub refund: Option<String>,
+    /// The dispute (`dp_…`) whose chargeback wrote this entry.
+    pub dispute: Option<String>,
     pub created_at: String,
 }
 
