@@ -26,11 +26,11 @@ use crate::config::{
 use crate::consumers;
 use crate::error::{Error, Result};
 use crate::events::{self, EventType};
-use crate::inbound::{self, Delivery, NotificationRequest, Received, SourceRequest, Status};
 use crate::idempotency::{
     self, Attempt, Fingerprint, IdempotencyKey, KeyRow, KeyState, Mode, Owner, RecoveryPoint,
     Reservation, Scope, StoredResponse, Timeouts,
 };
+use crate::inbound::{self, Delivery, NotificationRequest, Received, SourceRequest, Status};
 use crate::ledger::{
     self, AccountOutcome, CancellationReason, ChargeOutcome, Claim, ClaimOutcome, Origin,
     RefundOutcome, UnknownCursor,

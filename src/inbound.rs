@@ -194,7 +194,8 @@ pub fn source_key(conn: &Connection, public_id: &str) -> Result<Option<SourceKey
 /// characters (0x21–0x7E), taken as sent (the signature covers it as sent,
 /// so no structured-field unquoting).
 pub fn valid_webhook_id(id: &[u8]) -> bool {
-    (1..=IDEMPOTENCY_KEY_LEN_MAX).contains(&id.len()) && id.iter().all(|b| (0x21..=0x7e).contains(b))
+    (1..=IDEMPOTENCY_KEY_LEN_MAX).contains(&id.len())
+        && id.iter().all(|b| (0x21..=0x7e).contains(b))
 }
 
 /// The data of a `chargeback.created`.
@@ -271,11 +272,14 @@ fn members<'a>(
     prefix: &str,
     allowed: &[&str],
 ) -> std::result::Result<&'a Map<String, Value>, FieldError> {
-    let map = v.as_object().ok_or_else(|| {
-        FieldError::new(prefix.trim_end_matches('.'), "must be a JSON object")
-    })?;
+    let map = v
+        .as_object()
+        .ok_or_else(|| FieldError::new(prefix.trim_end_matches('.'), "must be a JSON object"))?;
     if let Some(unknown) = map.keys().find(|k| !allowed.contains(&k.as_str())) {
-        return Err(FieldError::new(format!("{prefix}{unknown}"), "unknown field"));
+        return Err(FieldError::new(
+            format!("{prefix}{unknown}"),
+            "unknown field",
+        ));
     }
     Ok(map)
 }
@@ -465,7 +469,10 @@ pub fn receive(
             ),
             Some(c) if c.status != "succeeded" => (
                 Status::Ignored,
-                Some(format!("charge {} was {} without a capture", c.public_id, c.status)),
+                Some(format!(
+                    "charge {} was {} without a capture",
+                    c.public_id, c.status
+                )),
                 None,
                 None,
             ),
@@ -529,7 +536,16 @@ pub fn receive(
     ])?;
     let notification_id = tx.last_insert_rowid();
     if let (Some(c), Some(cb), Some(dp)) = (&charge, &d.request.chargeback, dispute_id) {
-        apply_dispute(tx, consumer_id, c, notification_id, &public_id, dp, cb, now_ms)?;
+        apply_dispute(
+            tx,
+            consumer_id,
+            c,
+            notification_id,
+            &public_id,
+            dp,
+            cb,
+            now_ms,
+        )?;
     }
     before_commit();
     Ok(Received::New(status, stored))
@@ -537,8 +553,7 @@ pub fn receive(
 
 const UNMATCHED_NO_CHARGE: &str =
     "no charge with this authorization yet; applied when its authorization is recorded";
-const UNMATCHED_HOLD: &str =
-    "the authorization is held, not captured; applied when it is captured";
+const UNMATCHED_HOLD: &str = "the authorization is held, not captured; applied when it is captured";
 
 // ---------------------------------------------------------------------------
 // Disputes
@@ -555,7 +570,11 @@ struct ChargeRef {
     destination_id: i64,
 }
 
-fn find_charge(tx: &Connection, consumer_id: i64, authorization: &str) -> Result<Option<ChargeRef>> {
+fn find_charge(
+    tx: &Connection,
+    consumer_id: i64,
+    authorization: &str,
+) -> Result<Option<ChargeRef>> {
     Ok(tx
         .prepare_cached(
             "SELECT id, public_id, status, amount_captured - amount_refunded - amount_disputed, \
@@ -731,8 +750,9 @@ pub fn settle_unmatched(
             .and_then(|r| r.chargeback);
         let charge = find_charge(tx, consumer_id, authorization)?;
         let outcome = match (&chargeback, &charge) {
-            (Some(cb), Some(c)) if c.status == "succeeded" => check_dispute(tx, c, cb.amount)?
-                .map_err(|refusal| refusal.detail(c)),
+            (Some(cb), Some(c)) if c.status == "succeeded" => {
+                check_dispute(tx, c, cb.amount)?.map_err(|refusal| refusal.detail(c))
+            }
             _ => Err("the stored notification is not a chargeback of a captured charge".into()),
         };
         match (outcome, chargeback, charge) {
@@ -844,12 +864,18 @@ mod tests {
         let cb = |data: Value| field(json!({"type": "chargeback.created", "data": data}));
         assert_eq!(cb(json!({"amount": 1})), "data.authorization");
         assert_eq!(cb(json!({"authorization": "a"})), "data.amount");
-        assert_eq!(cb(json!({"authorization": "a", "amount": 0})), "data.amount");
+        assert_eq!(
+            cb(json!({"authorization": "a", "amount": 0})),
+            "data.amount"
+        );
         assert_eq!(
             cb(json!({"authorization": "a", "amount": AMOUNT_MINOR_MAX + 1})),
             "data.amount"
         );
-        assert_eq!(cb(json!({"authorization": "a", "amount": 1.5})), "data.amount");
+        assert_eq!(
+            cb(json!({"authorization": "a", "amount": 1.5})),
+            "data.amount"
+        );
         assert_eq!(
             cb(json!({"authorization": "a", "amount": 1, "x": 1})),
             "data.x"

@@ -617,7 +617,8 @@ fn disputes_add_up(conn: &Connection) -> Result<Vec<String>> {
             )),
         }
     }
-    let mut stmt = conn.prepare("SELECT id, public_id, amount_disputed FROM charges ORDER BY id")?;
+    let mut stmt =
+        conn.prepare("SELECT id, public_id, amount_disputed FROM charges ORDER BY id")?;
     let mut rows = stmt.query([])?;
     while let Some(row) = rows.next()? {
         let disputes = sums.get(&row.get(0)?).copied().unwrap_or(0);
