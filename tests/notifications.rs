@@ -213,6 +213,10 @@ fn sources_show_their_secret_once_and_belong_to_their_consumer() {
     support::assert_verified(&dir.db());
 }
 
+/// A case of the signature table: its name, where it goes, its headers
+/// and its body.
+type SignatureCase<'a> = (&'a str, &'a Sender, Vec<(String, String)>, &'a str);
+
 #[test]
 fn signatures_are_checked_before_anything_is_stored() {
     let dir = TempDir::new("ntf-signatures");
@@ -249,7 +253,7 @@ fn signatures_are_checked_before_anything_is_stored() {
         ]
     };
     #[rustfmt::skip]
-    let cases: Vec<(&str, &Sender, Vec<(String, String)>, &str)> = vec![
+    let cases: Vec<SignatureCase<'_>> = vec![
         ("no headers", &sender, vec![], &body),
         ("no id", &sender, h("msg-1", &ts, &sig)[1..].to_vec(), &body),
         ("no timestamp", &sender, vec![h("msg-1", &ts, &sig)[0].clone(), h("msg-1", &ts, &sig)[2].clone()], &body),
