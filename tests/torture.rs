@@ -32,6 +32,28 @@
 //! charge with the right status and amounts, and a capture created after its
 //! hold's `expires_at` cannot succeed.
 //!
+//! Chargebacks: a client also sends signed `chargeback.created`
+//! notifications (Standard Webhooks, its consumer's notification source's
+//! secret, no bearer key) for charges of its own with captured money, each
+//! with a fresh `webhook-id` and retried with that id and body across kills
+//! until answered: 200 `applied` within what its client knows is left
+//! (captured, less its refunds and disputes: only it refunds or disputes
+//! the charge, so the refund judge stays exact too), else 422
+//! `dispute-exceeds-charge`; some are sent as 2–4 concurrent copies of one
+//! id (one answer, at most one not a replay), and answered ones are re-sent
+//! like any intent (a byte-identical replay).
+//!
+//! Events: each consumer has one webhook endpoint (`enabled_events: ["*"]`,
+//! created before any other write) at a receiver in this process, which
+//! checks every attempt's signature with the reference `standardwebhooks`
+//! crate, keys arrivals by `webhook-id`, fails the run if an id ever comes
+//! back with other bytes, and refuses a seeded fifth of the attempts (500,
+//! or the connection closed unanswered), so that deliveries are retried,
+//! also across kills. After every kill `idem verify` pairs each state change
+//! with its one event; at the end every delivery must have succeeded and
+//! the ids the receiver accepted must be exactly the events in the file,
+//! each byte-identical to `events.body`: none lost, none invented.
+//!
 //! Seeded: `IDEM_TORTURE_SEED=<u64>` replays the schedule of intents and of
 //! kill moments. Thread timing is not deterministic, so which request a kill
 //! interrupts, and hence which answers come back, differ between two runs of
@@ -46,9 +68,14 @@
 //! was — canceled with `cancellation_reason: expired`; and a 409 of a capture
 //! or cancel that came back before its hold expired must have lost to another
 //! capture or cancel of that hold answered 200 (before the expiry nothing
-//! else claims a hold). A second test tampers with copies of a real file
-//! (and with the answers) to show that each check fails when it should, and
-//! a third that the judge accepts exactly what the contract allows.
+//! else claims a hold). Each chargeback answered 200 has its one
+//! notification row and one dispute of its amount, whose money moved once
+//! (the model's balances and each charge's `amount_disputed` include it);
+//! one answered 422 moved nothing; no notification or dispute is there that
+//! nobody was answered. A second test tampers with copies of a real file
+//! (and with the answers and the receiver's log) to show that each check
+//! fails when it should, and a third that the judge accepts exactly what the
+//! contract allows.
 
 mod support;
 
@@ -3785,7 +3812,10 @@ struct Tampering {
 /// (`checks-ref-1`); a hold of 300 from `shop_brl_a` to `shop_brl_c`,
 /// canceled, then refused a capture (`checks-ref-2`); a hold of 200 from
 /// `fund_brl` to `shop_brl_c` left to expire, then refused a capture
-/// (`checks-ref-3`).
+/// (`checks-ref-3`); a sale of 500 from `fund_brl` to `shop_brl_c`
+/// (`checks-ref-4`), disputed for 150 (`checks-ntf-1`, applied) and then
+/// for 400 (`checks-ntf-2`, 422). Each consumer has one webhook endpoint,
+/// and every event was delivered to the receiver.
 const TAMPERINGS: &[Tampering] = &[
     Tampering {
         name: "an acknowledged charge is lost (balances fixed up to hide it)",
