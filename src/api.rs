@@ -183,6 +183,9 @@ pub enum Problem {
     CaptureExceedsAuthorization,
     /// A balance would leave the range of a 64-bit integer.
     BalanceOverflow,
+    /// The consumer already has `WEBHOOK_ENDPOINTS_MAX` live webhook
+    /// endpoints.
+    WebhookEndpointLimit,
     TemporarilyUnavailable(String),
     Internal,
 }
@@ -215,7 +218,8 @@ impl Problem {
             | Problem::ResourceMismatch
             | Problem::RefundExceedsCharge
             | Problem::CaptureExceedsAuthorization
-            | Problem::BalanceOverflow => 422,
+            | Problem::BalanceOverflow
+            | Problem::WebhookEndpointLimit => 422,
             Problem::Internal => 500,
             Problem::TemporarilyUnavailable(_) => 503,
         }
@@ -241,6 +245,7 @@ impl Problem {
             Problem::InvalidChargeState(_) => "invalid-charge-state",
             Problem::CaptureExceedsAuthorization => "capture-exceeds-authorization",
             Problem::BalanceOverflow => "balance-overflow",
+            Problem::WebhookEndpointLimit => "webhook-endpoint-limit",
             Problem::TemporarilyUnavailable(_) => "temporarily-unavailable",
             Problem::Internal => "internal-error",
         }
@@ -266,6 +271,7 @@ impl Problem {
             Problem::InvalidChargeState(_) => "Invalid charge state",
             Problem::CaptureExceedsAuthorization => "Capture exceeds authorization",
             Problem::BalanceOverflow => "Balance overflow",
+            Problem::WebhookEndpointLimit => "Too many webhook endpoints",
             Problem::TemporarilyUnavailable(_) => "Temporarily unavailable",
             Problem::Internal => "Internal error",
         }
@@ -314,6 +320,10 @@ impl Problem {
                 "the amount exceeds the charge's amount_capturable".into()
             }
             Problem::BalanceOverflow => "a balance would exceed the representable range".into(),
+            Problem::WebhookEndpointLimit => format!(
+                "a consumer may have at most {} webhook endpoints; delete one first",
+                crate::config::WEBHOOK_ENDPOINTS_MAX
+            ),
             Problem::Internal => "an internal error occurred; the request can be retried".into(),
         }
     }

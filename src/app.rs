@@ -37,11 +37,12 @@ use crate::ledger::{
 use crate::metrics::Metrics;
 use crate::model::{
     AccountRequest, CancelRequest, CaptureRequest, ChargeRequest, ListObject, Operation, Page,
-    RefundRequest,
+    RefundRequest, WebhookEndpointRequest,
 };
 use crate::pool::{Pool, Task};
 use crate::store::{Readers, Writer};
 use crate::time::now_ms;
+use crate::webhooks::{self, CreateOutcome, DeletedObject, Recorded};
 
 pub struct App {
     pub config: Config,
@@ -302,6 +303,67 @@ impl App {
         self.idempotent(consumer, path, key, mode, fp, Operation::Cancel(req))
     }
 
+    /// `POST /v1/webhook_endpoints`. With an `Idempotency-Key` it runs the
+    /// protocol like an account: the endpoint is created in the
+    /// transaction that reserves the key, and a replay answers the stored
+    /// 201, secret included — the one way a client whose first answer was
+    /// lost can learn the secret, and only for the same consumer, key and
+    /// body within `--key-retention`. Without a key, a retry creates
+    /// another endpoint.
+    pub fn create_webhook_endpoint(
+        &self,
+        consumer: i64,
+        key: Option<IdempotencyKey>,
+        mode: Mode,
+        body: &Value,
+        req: WebhookEndpointRequest,
+    ) -> Answer {
+        match key {
+            Some(key) => self.idempotent(
+                consumer,
+                "/v1/webhook_endpoints".into(),
+                key,
+                mode,
+                idempotency::fingerprint(body),
+                Operation::WebhookEndpoint(req),
+            ),
+            None => self.later(move |app, deliver| {
+                let created = app.writer.call(move |tx| {
+                    webhooks::create(tx, consumer, &req, now_ms()).map(endpoint_response)
+                });
+                deliver(match created {
+                    Ok(stored) => Reply::stored(stored, false),
+                    Err(e) => Problem::from(e).reply(),
+                })
+            }),
+        }
+    }
+
+    /// `DELETE /v1/webhook_endpoints/{id}`: the endpoint and its pending
+    /// deliveries stop in one transaction. An attempt already on the wire
+    /// may still arrive; its outcome is not recorded.
+    pub fn delete_webhook_endpoint(&self, consumer: i64, id: &str) -> Answer {
+        let id = id.to_string();
+        self.later(move |app, deliver| {
+            let public_id = id.clone();
+            let deleted = app
+                .writer
+                .call(move |tx| webhooks::delete(tx, consumer, &public_id, now_ms()));
+            deliver(match deleted {
+                Ok(Some(_)) => Reply::json(
+                    200,
+                    &DeletedObject {
+                        id,
+                        object: "webhook_endpoint",
+                        deleted: true,
+                    },
+                ),
+                Ok(None) => Problem::NotFound.reply(),
+                Err(e) => Problem::from(e).reply(),
+            })
+        })
+    }
+
     /// Steps 4–5 of the protocol: reserve the key (or learn why not) in one
     /// write transaction, then answer or do the work.
     fn idempotent(
@@ -504,6 +566,14 @@ impl App {
                     .map(account_response)
                     .map(|(stored, existing)| Step::Complete(stored, existing))
             }),
+            // Created in the reservation's transaction (`prepare`); only a
+            // key row from elsewhere could get here.
+            Operation::WebhookEndpoint(req) => {
+                self.ledger_phase(&owner, "webhook_endpoint", move |tx, o, now| {
+                    webhooks::create(tx, o.consumer_id, &req, now)
+                        .map(|out| Step::Complete(endpoint_response(out), false))
+                })
+            }
         };
         result.unwrap_or_else(|reply| reply)
     }
@@ -953,11 +1023,63 @@ impl App {
         )
     }
 
+    /// A live webhook endpoint, without its secret.
+    pub fn get_webhook_endpoint(&self, consumer: i64, id: &str) -> Reply {
+        self.read(|c| webhooks::get(c, consumer, id), |e| Reply::json(200, &e))
+    }
+
+    pub fn list_webhook_endpoints(&self, consumer: i64, page: &Page) -> Reply {
+        self.read(|c| webhooks::list(c, consumer, page).map(Some), list_reply)
+    }
+
+    /// `GET /v1/events/{id}/deliveries`.
+    pub fn list_deliveries(&self, consumer: i64, event: &str) -> Reply {
+        self.read(
+            |c| webhooks::deliveries(c, consumer, event),
+            |list| Reply::json(200, &list),
+        )
+    }
+
     pub fn get_operation(&self, consumer: i64, op_id: &str) -> Reply {
         self.read(
             |c| idempotency::load_operation(c, consumer, op_id),
             |row| Reply::json(200, &operation_object(&row)),
         )
+    }
+
+    // -----------------------------------------------------------------------
+    // For the delivery engine
+
+    /// Up to `limit` deliveries due now, read on a reader.
+    pub fn due_deliveries(&self, limit: usize) -> Result<Vec<webhooks::Due>> {
+        self.readers.read(|c| webhooks::due(c, now_ms(), limit))
+    }
+
+    /// Records one attempt of delivery `id` (one small writer command).
+    pub fn record_delivery(
+        &self,
+        id: i64,
+        ok: bool,
+        status: Option<u16>,
+        error: Option<String>,
+        next_attempt_at: Option<i64>,
+    ) -> Result<Recorded> {
+        self.writer.call(move |tx| {
+            webhooks::record_attempt(
+                tx,
+                id,
+                ok,
+                status,
+                error.as_deref(),
+                next_attempt_at,
+                now_ms(),
+            )
+        })
+    }
+
+    /// Pending deliveries, due or not.
+    pub fn webhook_backlog(&self) -> Result<u64> {
+        self.readers.read(webhooks::backlog)
     }
 
     // -----------------------------------------------------------------------
@@ -1151,6 +1273,12 @@ fn prepare(
                 }
             }
         }
+        // One transaction and nothing to wait for: created with its key in
+        // either mode.
+        Operation::WebhookEndpoint(req) if fresh => done(
+            endpoint_response(webhooks::create(tx, owner.consumer_id, req, now)?),
+            false,
+        ),
         Operation::Capture(CaptureRequest { charge, amount }) if !took_over => {
             claim(tx, &owner, charge, Claim::Capture(*amount), now, row, done)
         }
@@ -1196,6 +1324,15 @@ fn refund_step(tx: &Connection, owner: &Owner, req: &RefundRequest, now: i64) ->
             other => Step::Complete(refund_response(other), false),
         },
     )
+}
+
+/// A webhook endpoint's creation answer: 201 with the secret, shown here
+/// (and in this answer's replays) only.
+fn endpoint_response(outcome: CreateOutcome) -> StoredResponse {
+    match outcome {
+        CreateOutcome::Created(endpoint) => json_response(201, &endpoint),
+        CreateOutcome::LimitReached => problem_response(Problem::WebhookEndpointLimit),
+    }
 }
 
 fn problem_response(p: Problem) -> StoredResponse {

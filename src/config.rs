@@ -85,6 +85,25 @@ pub const WEBHOOK_RETRY_BASE_DEFAULT: Duration = Duration::from_secs(5);
 pub const WEBHOOK_RETRY_CAP: Duration = Duration::from_secs(3600);
 /// Attempts of one delivery before it is `failed` (`--webhook-attempts-max`).
 pub const WEBHOOK_ATTEMPTS_MAX_DEFAULT: u32 = 12;
+/// Live webhook endpoints one consumer may have (`422
+/// webhook-endpoint-limit` past it): every event is queued once per
+/// endpoint in the transaction that records it, so the cap bounds the
+/// writes a single state change can cost and the rows a delivery list holds.
+pub const WEBHOOK_ENDPOINTS_MAX: usize = 16;
+/// Longest accepted webhook endpoint URL, in bytes.
+pub const WEBHOOK_URL_LEN_MAX: usize = 2048;
+/// Delivery threads: at most this many attempts are on the wire at once,
+/// whatever the backlog, so a thousand hanging receivers cost eight
+/// threads, never an HTTP worker or the writer.
+pub const WEBHOOK_THREADS: usize = 8;
+/// How often the delivery engine looks for due deliveries when nothing
+/// woke it (a commit that queued deliveries wakes it at once).
+pub const WEBHOOK_POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// Bytes of a receiver's response body read (and discarded) at most; the
+/// rest is never read and the connection is dropped.
+pub const WEBHOOK_RESPONSE_BYTES_MAX: u64 = 64 * 1024;
+/// Longest `last_error` kept for a delivery, in characters.
+pub const WEBHOOK_ERROR_LEN_MAX: usize = 200;
 /// How far an inbound notification's `webhook-timestamp` may be from now
 /// (`--notification-tolerance`): the Standard Webhooks default, 5 minutes.
 pub const NOTIFICATION_TOLERANCE_DEFAULT: Duration = Duration::from_secs(300);

@@ -29,6 +29,7 @@ pub mod backup;
 pub mod cli;
 pub mod config;
 pub mod consumers;
+pub mod delivery;
 pub mod error;
 pub mod events;
 pub mod http;
@@ -44,6 +45,7 @@ pub mod signature;
 pub mod store;
 pub mod time;
 pub mod verify;
+pub mod webhooks;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -54,6 +56,7 @@ use acquirer::{Acquirer, Simulator};
 use api::Answer;
 use app::App;
 use config::OPERATION_THREADS;
+use delivery::Delivery;
 use http::server::{Handler, HttpServer};
 use metrics::Metrics;
 use reaper::Reaper;
@@ -68,6 +71,8 @@ pub struct Server {
     app: Arc<App>,
     http: Option<HttpServer>,
     reaper: Option<Reaper>,
+    /// The webhook delivery engine.
+    delivery: Option<Delivery>,
     url: String,
     initial_key: Option<String>,
     _lock: ProcessLock,
@@ -185,10 +190,12 @@ impl Server {
         };
         let url = format!("http://{}", http.addr());
         let reaper = Reaper::start(Arc::clone(&app));
+        let delivery = Delivery::start(Arc::clone(&app));
         Ok(Server {
             app,
             http: Some(http),
             reaper: Some(reaper),
+            delivery: Some(delivery),
             url,
             initial_key,
             _lock: lock,
@@ -246,6 +253,10 @@ impl Server {
         }
         if let Some(mut reaper) = self.reaper.take() {
             reaper.stop();
+        }
+        // Before the writer: attempts on the wire record their outcome.
+        if let Some(mut delivery) = self.delivery.take() {
+            delivery.stop();
         }
         self.app.stop();
     }

@@ -87,6 +87,14 @@ pub struct Metrics {
     pub authorizations_expired: Counter,
     pub commit_batch_size: Histogram,
     pub commit_duration_seconds: Histogram,
+    /// Webhook attempts answered 2xx (`result="succeeded"`).
+    pub webhook_succeeded: Counter,
+    /// Webhook attempts that failed with another attempt scheduled.
+    pub webhook_retried: Counter,
+    /// Webhook attempts that failed and were the delivery's last.
+    pub webhook_failed: Counter,
+    /// Pending deliveries, as last counted by the delivery engine.
+    webhook_backlog: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -103,6 +111,10 @@ impl Default for Metrics {
             authorizations_expired: Counter::default(),
             commit_batch_size: Histogram::new(BATCH_BUCKETS),
             commit_duration_seconds: Histogram::new(SECONDS_BUCKETS),
+            webhook_succeeded: Counter::default(),
+            webhook_retried: Counter::default(),
+            webhook_failed: Counter::default(),
+            webhook_backlog: AtomicU64::new(0),
         }
     }
 }
@@ -116,6 +128,11 @@ impl Metrics {
             .entry((route, status))
             .or_default() += 1;
         self.http_request_duration_seconds.observe(seconds);
+    }
+
+    /// Sets the `idem_webhook_backlog` gauge.
+    pub fn set_webhook_backlog(&self, pending: u64) {
+        self.webhook_backlog.store(pending, Ordering::Relaxed);
     }
 
     pub fn render(&self) -> String {
@@ -176,6 +193,24 @@ impl Metrics {
                 "",
                 &self.authorizations_expired,
             ),
+            (
+                "idem_webhook_deliveries_total",
+                "Webhook delivery attempts by result: succeeded (2xx), retried (failed, another attempt due), failed (failed, no attempt left).",
+                "{result=\"succeeded\"}",
+                &self.webhook_succeeded,
+            ),
+            (
+                "idem_webhook_deliveries_total",
+                "",
+                "{result=\"retried\"}",
+                &self.webhook_retried,
+            ),
+            (
+                "idem_webhook_deliveries_total",
+                "",
+                "{result=\"failed\"}",
+                &self.webhook_failed,
+            ),
         ];
         for (name, help, labels, counter) in counters {
             if !help.is_empty() {
@@ -183,6 +218,12 @@ impl Metrics {
             }
             let _ = writeln!(out, "{name}{labels} {}", counter.get());
         }
+        let _ = writeln!(
+            out,
+            "# HELP idem_webhook_backlog Webhook deliveries pending (due or waiting for a retry).\n\
+             # TYPE idem_webhook_backlog gauge\nidem_webhook_backlog {}",
+            self.webhook_backlog.load(Ordering::Relaxed)
+        );
         self.commit_batch_size.render(
             "idem_commit_batch_size",
             "Write commands per commit.",

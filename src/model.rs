@@ -9,8 +9,9 @@ use serde_json::{Map, Value};
 
 use crate::config::{
     ACCOUNT_ID_LEN_MAX, AMOUNT_MINOR_MAX, DESCRIPTION_LEN_MAX, METADATA_KEYS_MAX,
-    METADATA_KEY_LEN_MAX, METADATA_VALUE_LEN_MAX, REFERENCE_LEN_MAX,
+    METADATA_KEY_LEN_MAX, METADATA_VALUE_LEN_MAX, REFERENCE_LEN_MAX, WEBHOOK_URL_LEN_MAX,
 };
+use crate::events::EventType;
 use crate::json::{self, StrictError};
 
 /// Why a request body was rejected: 400 `invalid-request` naming `field`.
@@ -333,6 +334,137 @@ impl CancelRequest {
     }
 }
 
+/// `POST /v1/webhook_endpoints`: where to deliver and which events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WebhookEndpointRequest {
+    /// An absolute `http://` or `https://` URL ([`check_webhook_url`]).
+    pub url: String,
+    /// `["*"]`, or distinct known event types, in the order given.
+    pub enabled_events: Vec<String>,
+    pub description: Option<String>,
+}
+
+impl WebhookEndpointRequest {
+    pub fn from_json(v: &Value) -> Result<WebhookEndpointRequest, FieldError> {
+        let map = fields(v, &["url", "enabled_events", "description"])?;
+        let url = required(string(map, "url", WEBHOOK_URL_LEN_MAX)?, "url")?;
+        check_webhook_url(url).map_err(|why| FieldError::new("url", why))?;
+        let events = required(field(map, "enabled_events"), "enabled_events")?;
+        let bad = || {
+            FieldError::new(
+                "enabled_events",
+                "must be [\"*\"] or a non-empty array of distinct event types",
+            )
+        };
+        let list = events.as_array().ok_or_else(bad)?;
+        if list.is_empty() || list.len() > EventType::ALL.len() {
+            return Err(bad());
+        }
+        let mut enabled_events: Vec<String> = Vec::with_capacity(list.len());
+        for item in list {
+            let name = item.as_str().ok_or_else(bad)?;
+            if name != "*" && EventType::parse(name).is_none() {
+                return Err(FieldError::new(
+                    "enabled_events",
+                    format!("'{}' is not an event type", name.escape_debug()),
+                ));
+            }
+            if enabled_events.iter().any(|e| e == name) {
+                return Err(FieldError::new(
+                    "enabled_events",
+                    format!("'{}' is listed twice", name.escape_debug()),
+                ));
+            }
+            enabled_events.push(name.to_string());
+        }
+        if enabled_events.len() > 1 && enabled_events.iter().any(|e| e == "*") {
+            return Err(FieldError::new(
+                "enabled_events",
+                "\"*\" stands alone: it already names every type",
+            ));
+        }
+        let description = string(map, "description", DESCRIPTION_LEN_MAX)?.map(str::to_string);
+        Ok(WebhookEndpointRequest {
+            url: url.to_string(),
+            enabled_events,
+            description,
+        })
+    }
+}
+
+/// Checks a webhook URL strictly: `http://` or `https://` (lower case),
+/// printable ASCII only (an internationalised host goes in its punycode
+/// form), a host of letters, digits, `.` and `-` or a bracketed IPv6
+/// address, an optional port from 1 to 65535, then an optional path and
+/// query; no user information (a password in a URL ends up in logs) and no
+/// fragment (never sent). The `http` crate's URI parser must agree.
+pub fn check_webhook_url(url: &str) -> Result<(), &'static str> {
+    if url.len() > WEBHOOK_URL_LEN_MAX {
+        return Err("is too long");
+    }
+    if !url.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+        return Err("must be printable ASCII without spaces");
+    }
+    let rest = url
+        .strip_prefix("https://")
+        .or_else(|| url.strip_prefix("http://"))
+        .ok_or("must start with http:// or https://")?;
+    if url.contains('#') {
+        return Err("must not have a fragment");
+    }
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(end);
+    if authority.contains('@') {
+        return Err("must not carry user information");
+    }
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let (addr, after) = v6.split_once(']').ok_or("has a bad IPv6 host")?;
+        addr.parse::<std::net::Ipv6Addr>()
+            .map_err(|_| "has a bad IPv6 host")?;
+        let port = match after {
+            "" => None,
+            p => Some(p.strip_prefix(':').ok_or("has a bad port")?),
+        };
+        (addr, port)
+    } else {
+        match authority.split_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (authority, None),
+        }
+    };
+    if host.is_empty() {
+        return Err("must name a host");
+    }
+    if !authority.starts_with('[') {
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        };
+        if host.len() > 253 || !host.trim_end_matches('.').split('.').all(label_ok) {
+            return Err("has a bad host name");
+        }
+    }
+    if let Some(port) = port {
+        let ok = !port.is_empty()
+            && port.len() <= 5
+            && port.bytes().all(|b| b.is_ascii_digit())
+            && port.parse::<u32>().is_ok_and(|p| (1..=65535).contains(&p));
+        if !ok {
+            return Err("has a bad port (1 to 65535)");
+        }
+    }
+    if !(path.is_empty() || path.starts_with('/') || path.starts_with('?')) {
+        return Err("has a bad path");
+    }
+    if url.parse::<ureq::http::Uri>().is_err() {
+        return Err("is not a valid URI");
+    }
+    Ok(())
+}
+
 /// The validated request kept in a key row, so that the reaper (or whoever
 /// takes the key over) can finish the work without the client.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -343,6 +475,8 @@ pub enum Operation {
     Refund(RefundRequest),
     Capture(CaptureRequest),
     Cancel(CancelRequest),
+    /// `POST /v1/webhook_endpoints` with an `Idempotency-Key`.
+    WebhookEndpoint(WebhookEndpointRequest),
 }
 
 // ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ use crate::events::EventType;
 use crate::idempotency::{IdempotencyKey, KeyError, Mode};
 use crate::model::{
     parse_object, AccountRequest, CancelRequest, CaptureRequest, ChargeRequest, FieldError, Page,
-    RefundRequest,
+    RefundRequest, WebhookEndpointRequest,
 };
 
 /// A matched route: its template (the metrics label) and what it names.
@@ -33,6 +33,9 @@ pub enum Route<'a> {
     Operation(&'a str),
     Events,
     Event(&'a str),
+    EventDeliveries(&'a str),
+    WebhookEndpoints,
+    WebhookEndpoint(&'a str),
 }
 
 impl Route<'_> {
@@ -52,6 +55,9 @@ impl Route<'_> {
             Route::Operation(_) => "/v1/operations/{id}",
             Route::Events => "/v1/events",
             Route::Event(_) => "/v1/events/{id}",
+            Route::EventDeliveries(_) => "/v1/events/{id}/deliveries",
+            Route::WebhookEndpoints => "/v1/webhook_endpoints",
+            Route::WebhookEndpoint(_) => "/v1/webhook_endpoints/{id}",
         }
     }
 
@@ -61,7 +67,8 @@ impl Route<'_> {
     pub fn allow(&self) -> &'static str {
         match self {
             Route::Accounts | Route::Refunds(_) | Route::Capture(_) | Route::Cancel(_) => "POST",
-            Route::Charges => "GET, HEAD, POST",
+            Route::Charges | Route::WebhookEndpoints => "GET, HEAD, POST",
+            Route::WebhookEndpoint(_) => "GET, HEAD, DELETE",
             _ => "GET, HEAD",
         }
     }
@@ -87,6 +94,9 @@ pub const ROUTES: &[&str] = &[
     "/v1/operations/{id}",
     "/v1/events",
     "/v1/events/{id}",
+    "/v1/events/{id}/deliveries",
+    "/v1/webhook_endpoints",
+    "/v1/webhook_endpoints/{id}",
 ];
 
 pub fn match_route(path: &str) -> Option<Route<'_>> {
@@ -107,6 +117,9 @@ pub fn match_route(path: &str) -> Option<Route<'_>> {
         ["v1", "operations", id] if id_ok(id) => Route::Operation(id),
         ["v1", "events"] => Route::Events,
         ["v1", "events", id] if id_ok(id) => Route::Event(id),
+        ["v1", "events", id, "deliveries"] if id_ok(id) => Route::EventDeliveries(id),
+        ["v1", "webhook_endpoints"] => Route::WebhookEndpoints,
+        ["v1", "webhook_endpoints", id] if id_ok(id) => Route::WebhookEndpoint(id),
         _ => return None,
     })
 }
@@ -134,6 +147,13 @@ pub enum Command<'a> {
     /// `GET /v1/events`, of one type if filtered.
     ListEvents(Page, Option<EventType>),
     GetEvent(&'a str),
+    /// `GET /v1/events/{id}/deliveries`.
+    ListDeliveries(&'a str),
+    /// `POST /v1/webhook_endpoints` (an `Idempotency-Key` is optional).
+    CreateWebhookEndpoint(Write<WebhookEndpointRequest, Option<IdempotencyKey>>),
+    ListWebhookEndpoints(Page),
+    GetWebhookEndpoint(&'a str),
+    DeleteWebhookEndpoint(&'a str),
 }
 
 /// A decoded POST: its key (required unless `K` is an `Option`), its mode,
@@ -192,6 +212,13 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer
         Command::GetOperation(id) => app.get_operation(consumer, id).into(),
         Command::ListEvents(page, kind) => app.list_events(consumer, kind, &page).into(),
         Command::GetEvent(id) => app.get_event(consumer, id).into(),
+        Command::ListDeliveries(id) => app.list_deliveries(consumer, id).into(),
+        Command::CreateWebhookEndpoint(w) => {
+            app.create_webhook_endpoint(consumer, w.key, w.mode, &w.body, w.request)
+        }
+        Command::ListWebhookEndpoints(page) => app.list_webhook_endpoints(consumer, &page).into(),
+        Command::GetWebhookEndpoint(id) => app.get_webhook_endpoint(consumer, id).into(),
+        Command::DeleteWebhookEndpoint(id) => app.delete_webhook_endpoint(consumer, id),
         Command::Healthz | Command::Metrics | Command::OpenApi => {
             unreachable!("a public route authenticated")
         }
@@ -220,7 +247,7 @@ pub fn decode<'a>(req: &'a Request, route: Option<Route<'a>>) -> Result<Command<
         return Err(Problem::BodyTooLarge);
     }
     // Past this point a method is one the route allows; everything but POST
-    // reads (GET, and HEAD, which is GET without the body).
+    // and DELETE reads (GET, and HEAD, which is GET without the body).
     Ok(match (method, route) {
         (_, Route::Healthz) => Command::Healthz,
         (_, Route::Metrics) => Command::Metrics,
@@ -280,6 +307,18 @@ pub fn decode<'a>(req: &'a Request, route: Option<Route<'a>>) -> Result<Command<
                 request,
             })
         }
+        ("POST", Route::WebhookEndpoints) => {
+            let key = idempotency_key(req, false)?;
+            let body = body(req)?;
+            let request = WebhookEndpointRequest::from_json(&body).map_err(invalid)?;
+            Command::CreateWebhookEndpoint(Write {
+                key,
+                mode: mode(req),
+                body,
+                request,
+            })
+        }
+        ("DELETE", Route::WebhookEndpoint(id)) => Command::DeleteWebhookEndpoint(id),
         (_, Route::Account(id)) => Command::GetAccount(id),
         (_, Route::AccountEntries(id)) => Command::ListEntries(id, page(req)?),
         (_, Route::Charges) => Command::ListCharges(page(req)?),
@@ -297,6 +336,9 @@ pub fn decode<'a>(req: &'a Request, route: Option<Route<'a>>) -> Result<Command<
             Command::ListEvents(page, kind)
         }
         (_, Route::Event(id)) => Command::GetEvent(id),
+        (_, Route::EventDeliveries(id)) => Command::ListDeliveries(id),
+        (_, Route::WebhookEndpoints) => Command::ListWebhookEndpoints(page(req)?),
+        (_, Route::WebhookEndpoint(id)) => Command::GetWebhookEndpoint(id),
         (_, route) => unreachable!("method {method} allowed on {}", route.template()),
     })
 }
@@ -513,6 +555,13 @@ mod tests {
             (req("HEAD", "/v1/accounts", None, b"", false), 405),
             (req("HEAD", "/v1/charges/ch_1/refunds", Some("k"), b"", false), 405),
             (req("HEAD", "/v1/charges", None, b"", true), 413),
+            (req("DELETE", "/v1/webhook_endpoints", None, b"", false), 405),
+            (req("DELETE", "/v1/webhook_endpoints/we_1", None, b"", false), 0),
+            (req("DELETE", "/v1/events/evt_1", None, b"", false), 405),
+            (req("POST", "/v1/webhook_endpoints/we_1", None, b"{}", false), 405),
+            (req("POST", "/v1/events/evt_1/deliveries", None, b"{}", false), 405),
+            (req("POST", "/v1/webhook_endpoints", None, b"{}", false), 400),
+            (req("HEAD", "/v1/events/evt_1/deliveries", None, b"", false), 0),
         ];
         for (i, (r, want)) in cases.iter().enumerate() {
             assert_eq!(status(r), *want, "case {i}: {r:?}");

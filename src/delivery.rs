@@ -1,0 +1,333 @@
+//! The webhook delivery engine: sends each pending delivery to its endpoint,
+//! per Standard Webhooks, until a 2xx, the last attempt, or the endpoint's
+//! deletion.
+//!
+//! One dispatcher thread (`idem-webhooks`) finds due deliveries on a reader
+//! every [`WEBHOOK_POLL_INTERVAL`] (at once when an attempt ends and frees a
+//! thread) and hands them to [`WEBHOOK_THREADS`] sender threads
+//! (`idem-webhook-N`). The dispatcher alone keeps the in-process lease, the
+//! set of deliveries on the wire: a delivery is handed out again only once
+//! its attempt is recorded, so one delivery is never sent twice at once; at
+//! most [`ENDPOINT_CONCURRENCY_MAX`] attempts to one endpoint run at once,
+//! so a hanging receiver cannot take every thread.
+//!
+//! An attempt is a `POST` of the event's stored bytes with `webhook-id` (the
+//! event id, the same on every attempt), `webhook-timestamp` (this attempt)
+//! and `webhook-signature`, within `--webhook-timeout` overall (connect,
+//! request, response headers and body each capped by it too); redirects are
+//! not followed, no proxy is used, and at most
+//! [`WEBHOOK_RESPONSE_BYTES_MAX`] of the response body is read and thrown
+//! away. Its outcome is one small writer command (`webhooks::
+//! record_attempt`). Nothing here runs on an HTTP worker or inside a writer
+//! command: a receiver that hangs costs a sender thread, nothing else.
+//!
+//! Delivery is at least once: the state is in the database, so a crash
+//! between an attempt and its record sends it again after the restart, with
+//! the same `webhook-id` and body, for the receiver to deduplicate.
+
+use std::collections::{HashMap, HashSet};
+use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+
+use crate::app::App;
+use crate::config::{
+    WEBHOOK_ERROR_LEN_MAX, WEBHOOK_POLL_INTERVAL, WEBHOOK_RESPONSE_BYTES_MAX, WEBHOOK_RETRY_CAP,
+    WEBHOOK_THREADS,
+};
+use crate::signature;
+use crate::time::{millis, now_ms};
+use crate::webhooks::{Due, Recorded};
+
+/// Attempts to one endpoint on the wire at once, at most.
+pub const ENDPOINT_CONCURRENCY_MAX: usize = WEBHOOK_THREADS / 2;
+/// How often the `idem_webhook_backlog` gauge is refreshed.
+const BACKLOG_REFRESH: Duration = Duration::from_secs(1);
+
+/// The running engine; stops on [`Delivery::stop`] or drop.
+pub struct Delivery {
+    stopping: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// An attempt handed to a sender thread.
+struct Job(Due);
+
+/// A sender's report: the delivery and endpoint whose attempt is over.
+struct Done {
+    id: i64,
+    endpoint_id: i64,
+}
+
+impl Delivery {
+    /// Starts the dispatcher and the sender threads of `app`.
+    pub fn start(app: Arc<App>) -> Delivery {
+        let stopping = Arc::new(AtomicBool::new(false));
+        let (jobs_tx, jobs_rx) = crossbeam_channel::bounded::<Job>(WEBHOOK_THREADS);
+        let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
+        let agent = agent(app.config.webhook_timeout);
+        let mut threads = Vec::with_capacity(WEBHOOK_THREADS + 1);
+        for n in 0..WEBHOOK_THREADS {
+            let (app, agent, jobs, done, stopping) = (
+                Arc::clone(&app),
+                agent.clone(),
+                jobs_rx.clone(),
+                done_tx.clone(),
+                Arc::clone(&stopping),
+            );
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("idem-webhook-{n}"))
+                    .spawn(move || send_loop(&app, &agent, &jobs, &done, &stopping))
+                    .expect("spawn webhook sender"),
+            );
+        }
+        let s = Arc::clone(&stopping);
+        threads.push(
+            std::thread::Builder::new()
+                .name("idem-webhooks".into())
+                .spawn(move || dispatch(&app, jobs_tx, &done_rx, &s))
+                .expect("spawn webhook dispatcher"),
+        );
+        Delivery { stopping, threads }
+    }
+
+    /// Stops handing out attempts and waits for those on the wire (each
+    /// bounded by `--webhook-timeout`) to be recorded. Deliveries not
+    /// attempted stay pending for the next start.
+    pub fn stop(&mut self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The HTTP client of every attempt: per-phase timeouts, all within the
+/// overall one; no redirect followed; statuses are answers, not errors; no
+/// proxy from the environment (a delivery goes where its URL says).
+fn agent(timeout: Duration) -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .timeout_global(Some(timeout))
+        .timeout_connect(Some(timeout))
+        .timeout_send_request(Some(timeout))
+        .timeout_send_body(Some(timeout))
+        .timeout_recv_response(Some(timeout))
+        .timeout_recv_body(Some(timeout))
+        .http_status_as_error(false)
+        .max_redirects(0)
+        .proxy(None)
+        .user_agent(concat!("idem-webhooks/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .into()
+}
+
+/// The dispatcher: hands due deliveries to free senders, keeping the lease
+/// (`on_wire`) and the per-endpoint counts; refreshes the backlog gauge.
+fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &AtomicBool) {
+    let mut on_wire: HashSet<i64> = HashSet::new();
+    let mut per_endpoint: HashMap<i64, usize> = HashMap::new();
+    let mut backlog_at = Instant::now() - BACKLOG_REFRESH;
+    while !stopping.load(Ordering::SeqCst) {
+        if backlog_at.elapsed() >= BACKLOG_REFRESH {
+            backlog_at = Instant::now();
+            match app.webhook_backlog() {
+                Ok(n) => app.metrics.set_webhook_backlog(n),
+                Err(e) => log::warn!("webhooks: cannot count the backlog: {e}"),
+            }
+        }
+        let free = WEBHOOK_THREADS - on_wire.len();
+        if free > 0 {
+            // Enough rows that those on the wire or over their endpoint's
+            // share do not hide the rest.
+            let window = on_wire.len() + free * ENDPOINT_CONCURRENCY_MAX;
+            match app.due_deliveries(window) {
+                Ok(due) => {
+                    let mut handed = 0;
+                    for d in due {
+                        if handed == free {
+                            break;
+                        }
+                        let busy = per_endpoint.get(&d.endpoint_id).copied().unwrap_or(0);
+                        if on_wire.contains(&d.id) || busy >= ENDPOINT_CONCURRENCY_MAX {
+                            continue;
+                        }
+                        on_wire.insert(d.id);
+                        *per_endpoint.entry(d.endpoint_id).or_default() += 1;
+                        handed += 1;
+                        if jobs.send(Job(d)).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => log::warn!("webhooks: cannot read due deliveries: {e}"),
+            }
+        }
+        let mut release = |d: Done| {
+            on_wire.remove(&d.id);
+            if let Some(n) = per_endpoint.get_mut(&d.endpoint_id) {
+                *n -= 1;
+                if *n == 0 {
+                    per_endpoint.remove(&d.endpoint_id);
+                }
+            }
+        };
+        match done.recv_timeout(WEBHOOK_POLL_INTERVAL) {
+            Ok(d) => {
+                release(d);
+                while let Ok(d) = done.try_recv() {
+                    release(d);
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// A sender thread: one attempt at a time until the dispatcher is gone.
+fn send_loop(
+    app: &App,
+    agent: &ureq::Agent,
+    jobs: &Receiver<Job>,
+    done: &Sender<Done>,
+    stopping: &AtomicBool,
+) {
+    while let Ok(Job(due)) = jobs.recv() {
+        let report = Done {
+            id: due.id,
+            endpoint_id: due.endpoint_id,
+        };
+        if !stopping.load(Ordering::SeqCst) {
+            let outcome = attempt(agent, &due);
+            record(app, &due, outcome);
+        }
+        let _ = done.send(report);
+    }
+}
+
+/// What one attempt got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// A 2xx arrived.
+    pub ok: bool,
+    /// The response's status, if one arrived.
+    pub status: Option<u16>,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+/// Sends one attempt of `due` and reads at most
+/// [`WEBHOOK_RESPONSE_BYTES_MAX`] of the answer's body.
+fn attempt(agent: &ureq::Agent, due: &Due) -> Outcome {
+    let timestamp = now_ms().div_euclid(1000);
+    let signature = signature::sign(&due.key, &due.event, timestamp, &due.body);
+    let sent = agent
+        .post(&due.url)
+        .header("content-type", "application/json")
+        .header("webhook-id", &due.event)
+        .header("webhook-timestamp", timestamp.to_string())
+        .header("webhook-signature", signature)
+        .send(&due.body[..]);
+    match sent {
+        Ok(mut response) => {
+            let status = response.status().as_u16();
+            // Read (and drop) a little, so a short answer leaves the
+            // connection reusable; a long or slow one is cut off, and the
+            // status already decided the attempt.
+            let mut reader = response
+                .body_mut()
+                .as_reader()
+                .take(WEBHOOK_RESPONSE_BYTES_MAX);
+            let _ = std::io::copy(&mut reader, &mut std::io::sink());
+            let ok = (200..300).contains(&status);
+            Outcome {
+                ok,
+                status: Some(status),
+                error: (!ok).then(|| format!("the endpoint answered {status}")),
+            }
+        }
+        Err(e) => Outcome {
+            ok: false,
+            status: None,
+            error: Some(e.to_string()),
+        },
+    }
+}
+
+/// Records an attempt in one writer command and counts it. If the writer
+/// cannot take it, the delivery stays as it was (pending, due): it is sent
+/// again, with the same `webhook-id`.
+fn record(app: &App, due: &Due, outcome: Outcome) {
+    let config = &app.config;
+    let attempts = due.attempts.saturating_add(1);
+    let next = (!outcome.ok && attempts < config.webhook_attempts_max).then(|| {
+        let wait = backoff_ms(
+            millis(config.webhook_retry_base),
+            millis(WEBHOOK_RETRY_CAP),
+            attempts,
+            getrandom::u64().unwrap_or(u64::MAX / 2),
+        );
+        now_ms().saturating_add(wait)
+    });
+    let error = outcome
+        .error
+        .map(|e| e.chars().take(WEBHOOK_ERROR_LEN_MAX).collect::<String>());
+    match app.record_delivery(due.id, outcome.ok, outcome.status, error, next) {
+        Ok(Recorded::Succeeded) => app.metrics.webhook_succeeded.inc(),
+        Ok(Recorded::Retried) => app.metrics.webhook_retried.inc(),
+        Ok(Recorded::Failed) => app.metrics.webhook_failed.inc(),
+        Ok(Recorded::Gone) => {}
+        Err(e) => log::warn!("webhooks: cannot record an attempt of {}: {e}", due.event),
+    }
+}
+
+/// The wait before the next attempt after `attempts` failed ones, with full
+/// jitter: uniform in `0..=min(cap, base · 2^(attempts-1))` milliseconds,
+/// drawn from `random`. Saturates rather than overflows for any input.
+pub fn backoff_ms(base_ms: i64, cap_ms: i64, attempts: u32, random: u64) -> i64 {
+    let doublings = attempts.saturating_sub(1).min(62);
+    let ceiling = base_ms
+        .max(0)
+        .saturating_mul(1i64 << doublings)
+        .min(cap_ms.max(0));
+    (random % (ceiling as u64 + 1)) as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_with_full_jitter() {
+        let cap = 3_600_000;
+        // The ceiling: the largest draw.
+        let top = |attempts| backoff_ms(5_000, cap, attempts, u64::MAX - 1);
+        assert!(top(1) <= 5_000);
+        assert_eq!(backoff_ms(5_000, cap, 1, 5_000), 5_000);
+        assert_eq!(backoff_ms(5_000, cap, 2, 10_000), 10_000);
+        assert_eq!(backoff_ms(5_000, cap, 3, 20_000), 20_000);
+        assert_eq!(backoff_ms(5_000, cap, 3, 20_001), 0);
+        // 5 s · 2^9 is still under the hour; from the 11th attempt on the
+        // cap decides.
+        assert_eq!(backoff_ms(5_000, cap, 10, 2_560_000), 2_560_000);
+        assert_eq!(backoff_ms(5_000, cap, 10, 2_560_001), 0);
+        for attempts in [11, 12, 40, 63, 64, u32::MAX] {
+            assert!(top(attempts) <= cap, "{attempts}");
+            assert_eq!(backoff_ms(5_000, cap, attempts, cap as u64), cap);
+        }
+        assert_eq!(backoff_ms(5_000, cap, 0, 0), 0);
+        assert_eq!(backoff_ms(i64::MAX, i64::MAX, u32::MAX, u64::MAX), i64::MAX);
+        assert_eq!(backoff_ms(0, cap, 5, 12345), 0);
+    }
+}

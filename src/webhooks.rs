@@ -1,0 +1,351 @@
+//! Webhook endpoints and their deliveries, as stored: the SQL behind
+//! `/v1/webhook_endpoints`, `GET /v1/events/{id}/deliveries`, and the
+//! delivery engine's reads and writes (`delivery.rs` sends; this file only
+//! reads and records).
+//!
+//! A delivery row is queued by `events::record` in the transaction of its
+//! event, one per live subscribed endpoint. It is `pending` with a
+//! `next_attempt_at` until an attempt succeeds (`succeeded`), the attempts
+//! run out or its endpoint is deleted (`failed`).
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::Serialize;
+
+use crate::config::WEBHOOK_ENDPOINTS_MAX;
+use crate::error::{Error, Result};
+use crate::ids;
+use crate::ledger::UnknownCursor;
+use crate::model::{ListObject, Page, WebhookEndpointRequest};
+use crate::signature;
+use crate::time::rfc3339;
+
+/// Why a delivery stopped when its endpoint was deleted (its `last_error`).
+pub const DELETED_ERROR: &str = "endpoint deleted before this delivery succeeded";
+
+/// A webhook endpoint as the API shows it. `secret` is only ever set in
+/// the answer to its creation (and that answer's replays).
+#[derive(Debug, Clone, Serialize)]
+pub struct EndpointObject {
+    pub id: String,
+    pub object: &'static str,
+    pub url: String,
+    pub enabled_events: Vec<String>,
+    pub description: Option<String>,
+    pub status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+    pub created_at: String,
+}
+
+/// The answer to `DELETE /v1/webhook_endpoints/{id}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeletedObject {
+    pub id: String,
+    pub object: &'static str,
+    pub deleted: bool,
+}
+
+/// What creating an endpoint did.
+#[derive(Debug)]
+pub enum CreateOutcome {
+    /// Created; the object carries the secret, shown this once.
+    Created(EndpointObject),
+    /// The consumer already has [`WEBHOOK_ENDPOINTS_MAX`] live endpoints.
+    LimitReached,
+}
+
+fn endpoint_object(r: &rusqlite::Row<'_>) -> rusqlite::Result<EndpointObject> {
+    let events: String = r.get(2)?;
+    Ok(EndpointObject {
+        id: r.get(0)?,
+        object: "webhook_endpoint",
+        url: r.get(1)?,
+        enabled_events: serde_json::from_str(&events).unwrap_or_default(),
+        description: r.get(3)?,
+        status: "enabled",
+        secret: None,
+        created_at: rfc3339(r.get(4)?),
+    })
+}
+
+const ENDPOINT_COLUMNS: &str = "public_id, url, enabled_events, description, created_at";
+
+/// Creates an endpoint with a new secret, unless the consumer is at its cap
+/// of live endpoints (counted in this transaction: two racing creations
+/// cannot both pass it).
+pub fn create(
+    tx: &Connection,
+    consumer_id: i64,
+    req: &WebhookEndpointRequest,
+    now_ms: i64,
+) -> Result<CreateOutcome> {
+    let live: i64 = tx
+        .prepare_cached(
+            "SELECT count(*) FROM webhook_endpoints \
+             WHERE consumer_id = ?1 AND deleted_at IS NULL",
+        )?
+        .query_row([consumer_id], |r| r.get(0))?;
+    if live >= WEBHOOK_ENDPOINTS_MAX as i64 {
+        return Ok(CreateOutcome::LimitReached);
+    }
+    let (key, secret) = signature::new_secret().map_err(|e| Error::Other(e.to_string()))?;
+    let public_id = ids::new_id(ids::WEBHOOK_ENDPOINT);
+    let events = serde_json::to_string(&req.enabled_events).expect("strings serialize");
+    tx.prepare_cached(
+        "INSERT INTO webhook_endpoints \
+         (consumer_id, public_id, url, enabled_events, description, secret, created_at) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    )?
+    .execute(params![
+        consumer_id,
+        public_id,
+        req.url,
+        events,
+        req.description,
+        &key[..],
+        now_ms
+    ])?;
+    Ok(CreateOutcome::Created(EndpointObject {
+        id: public_id,
+        object: "webhook_endpoint",
+        url: req.url.clone(),
+        enabled_events: req.enabled_events.clone(),
+        description: req.description.clone(),
+        status: "enabled",
+        secret: Some(secret),
+        created_at: rfc3339(now_ms),
+    }))
+}
+
+/// The live endpoint `public_id` of this consumer, without its secret.
+pub fn get(conn: &Connection, consumer_id: i64, public_id: &str) -> Result<Option<EndpointObject>> {
+    Ok(conn
+        .prepare_cached(&format!(
+            "SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints \
+             WHERE consumer_id = ?1 AND public_id = ?2 AND deleted_at IS NULL"
+        ))?
+        .query_row(params![consumer_id, public_id], endpoint_object)
+        .optional()?)
+}
+
+/// A page of the consumer's live endpoints, newest first. A cursor may name
+/// an endpoint deleted since the previous page was read.
+pub fn list(
+    conn: &Connection,
+    consumer_id: i64,
+    page: &Page,
+) -> Result<std::result::Result<ListObject<EndpointObject>, UnknownCursor>> {
+    let before = match &page.starting_after {
+        None => i64::MAX,
+        Some(cursor) => match conn
+            .prepare_cached(
+                "SELECT id FROM webhook_endpoints WHERE consumer_id = ?1 AND public_id = ?2",
+            )?
+            .query_row(params![consumer_id, cursor], |r| r.get(0))
+            .optional()?
+        {
+            Some(id) => id,
+            None => return Ok(Err(UnknownCursor)),
+        },
+    };
+    let mut data = conn
+        .prepare_cached(&format!(
+            "SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints \
+             WHERE consumer_id = ?1 AND deleted_at IS NULL AND id < ?2 \
+             ORDER BY id DESC LIMIT ?3"
+        ))?
+        .query_map(
+            params![consumer_id, before, page.limit as i64 + 1],
+            endpoint_object,
+        )?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let has_more = data.len() > page.limit;
+    data.truncate(page.limit);
+    Ok(Ok(ListObject {
+        object: "list",
+        data,
+        has_more,
+    }))
+}
+
+/// Deletes the endpoint `public_id`: no new delivery is queued for it, and
+/// its pending deliveries become `failed` with [`DELETED_ERROR`]. `None` if
+/// the consumer never had it; deleting it again answers the same (a retried
+/// DELETE whose first answer was lost must not see 404). Returns how many
+/// deliveries it stopped.
+pub fn delete(
+    tx: &Connection,
+    consumer_id: i64,
+    public_id: &str,
+    now_ms: i64,
+) -> Result<Option<usize>> {
+    let found: Option<(i64, Option<i64>)> = tx
+        .prepare_cached(
+            "SELECT id, deleted_at FROM webhook_endpoints \
+             WHERE consumer_id = ?1 AND public_id = ?2",
+        )?
+        .query_row(params![consumer_id, public_id], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .optional()?;
+    let Some((id, deleted_at)) = found else {
+        return Ok(None);
+    };
+    if deleted_at.is_some() {
+        return Ok(Some(0));
+    }
+    tx.prepare_cached("UPDATE webhook_endpoints SET deleted_at = ?2 WHERE id = ?1")?
+        .execute(params![id, now_ms])?;
+    let stopped = tx
+        .prepare_cached(
+            "UPDATE deliveries SET status = 'failed', next_attempt_at = NULL, \
+             last_error = ?2, updated_at = ?3 \
+             WHERE endpoint_id = ?1 AND status = 'pending'",
+        )?
+        .execute(params![id, DELETED_ERROR, now_ms])?;
+    Ok(Some(stopped))
+}
+
+/// One delivery as `GET /v1/events/{id}/deliveries` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeliveryObject {
+    pub object: &'static str,
+    /// The endpoint's id (`we_...`), deleted or not.
+    pub endpoint: String,
+    pub status: String,
+    pub attempts: i64,
+    /// The HTTP status of the last attempt; null if it got none (never
+    /// tried, refused, timed out, closed).
+    pub last_status: Option<i64>,
+    /// Why the last attempt failed, or why the delivery stopped.
+    pub last_error: Option<String>,
+    pub next_attempt_at: Option<String>,
+}
+
+/// The deliveries of the consumer's event `event` (one per endpoint that
+/// was subscribed when it was recorded: at most [`WEBHOOK_ENDPOINTS_MAX`],
+/// so there is no page), oldest endpoint first; `None` if there is no such
+/// event.
+pub fn deliveries(
+    conn: &Connection,
+    consumer_id: i64,
+    event: &str,
+) -> Result<Option<ListObject<DeliveryObject>>> {
+    let Some(event_id): Option<i64> = conn
+        .prepare_cached("SELECT id FROM events WHERE consumer_id = ?1 AND public_id = ?2")?
+        .query_row(params![consumer_id, event], |r| r.get(0))
+        .optional()?
+    else {
+        return Ok(None);
+    };
+    let data = conn
+        .prepare_cached(
+            "SELECT e.public_id, d.status, d.attempts, d.last_status, d.last_error, \
+             d.next_attempt_at FROM deliveries d JOIN webhook_endpoints e ON e.id = d.endpoint_id \
+             WHERE d.event_id = ?1 ORDER BY d.endpoint_id",
+        )?
+        .query_map([event_id], |r| {
+            Ok(DeliveryObject {
+                object: "delivery",
+                endpoint: r.get(0)?,
+                status: r.get(1)?,
+                attempts: r.get(2)?,
+                last_status: r.get(3)?,
+                last_error: r.get(4)?,
+                next_attempt_at: r.get::<_, Option<i64>>(5)?.map(rfc3339),
+            })
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(Some(ListObject {
+        object: "list",
+        data,
+        has_more: false,
+    }))
+}
+
+/// A delivery due now, with everything an attempt needs.
+#[derive(Debug, Clone)]
+pub struct Due {
+    pub id: i64,
+    pub endpoint_id: i64,
+    /// Attempts made before this one.
+    pub attempts: u32,
+    /// The event's public id: the `webhook-id` of every attempt.
+    pub event: String,
+    pub body: Vec<u8>,
+    pub url: String,
+    pub key: Vec<u8>,
+}
+
+/// Up to `limit` pending deliveries due at `now_ms`, the longest due first.
+pub fn due(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<Due>> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT d.id, d.endpoint_id, d.attempts, ev.public_id, ev.body, e.url, e.secret \
+             FROM deliveries d \
+             JOIN events ev ON ev.id = d.event_id \
+             JOIN webhook_endpoints e ON e.id = d.endpoint_id \
+             WHERE d.status = 'pending' AND d.next_attempt_at <= ?1 \
+             ORDER BY d.next_attempt_at LIMIT ?2",
+        )?
+        .query_map(params![now_ms, limit as i64], |r| {
+            Ok(Due {
+                id: r.get(0)?,
+                endpoint_id: r.get(1)?,
+                attempts: u32::try_from(r.get::<_, i64>(2)?).unwrap_or(u32::MAX),
+                event: r.get(3)?,
+                body: r.get(4)?,
+                url: r.get(5)?,
+                key: r.get(6)?,
+            })
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?)
+}
+
+/// Pending deliveries, due or not (the `idem_webhook_backlog` gauge).
+pub fn backlog(conn: &Connection) -> Result<u64> {
+    let n: i64 = conn
+        .prepare_cached("SELECT count(*) FROM deliveries WHERE status = 'pending'")?
+        .query_row([], |r| r.get(0))?;
+    Ok(n.max(0) as u64)
+}
+
+/// How one attempt ended, as recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recorded {
+    Succeeded,
+    /// Another attempt is due at `next_attempt_at`.
+    Retried,
+    /// That was the last attempt.
+    Failed,
+    /// The delivery was no longer pending (its endpoint was deleted while
+    /// the attempt was on the wire, or its event expired): nothing changed.
+    Gone,
+}
+
+/// Records one attempt of delivery `id`: `status` is the HTTP status if a
+/// response arrived; `ok` whether it was a success (2xx); `error` why not;
+/// `next_attempt_at` when to try again, or `None` if no attempt is left.
+pub fn record_attempt(
+    tx: &Connection,
+    id: i64,
+    ok: bool,
+    status: Option<u16>,
+    error: Option<&str>,
+    next_attempt_at: Option<i64>,
+    now_ms: i64,
+) -> Result<Recorded> {
+    let (state, next, recorded) = match (ok, next_attempt_at) {
+        (true, _) => ("succeeded", None, Recorded::Succeeded),
+        (false, Some(at)) => ("pending", Some(at), Recorded::Retried),
+        (false, None) => ("failed", None, Recorded::Failed),
+    };
+    let n = tx
+        .prepare_cached(
+            "UPDATE deliveries SET status = ?2, attempts = attempts + 1, last_status = ?3, \
+             last_error = ?4, next_attempt_at = ?5, updated_at = ?6 \
+             WHERE id = ?1 AND status = 'pending'",
+        )?
+        .execute(params![id, state, status, error, next, now_ms])?;
+    Ok(if n == 1 { recorded } else { Recorded::Gone })
+}
