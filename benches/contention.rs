@@ -942,7 +942,7 @@ impl Bench {
                 if let Some(receiver) = receiver {
                     // Every event of the run (the accounts' and the charges')
                     // must arrive; wait for the backlog, then read delays.
-                    let events = 2 * CONNS as u64 + run.ok() as u64;
+                    let events = 2 * CONNS as u64 + run.ok();
                     let drained = Instant::now();
                     while receiver.distinct() < events
                         && drained.elapsed() < Duration::from_secs(120)

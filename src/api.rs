@@ -186,6 +186,16 @@ pub enum Problem {
     /// The consumer already has `WEBHOOK_ENDPOINTS_MAX` live webhook
     /// endpoints.
     WebhookEndpointLimit,
+    /// An inbound notification's signature is missing, wrong or too old,
+    /// or its source does not exist (indistinguishable on purpose); the
+    /// detail says which header or rule, never whether the source exists.
+    SignatureInvalid(String),
+    /// A notification's `webhook-id` (its idempotency key) is not 1 to 255
+    /// printable ASCII characters.
+    WebhookIdInvalid,
+    /// A chargeback of more than the charge has left
+    /// (`amount_captured - amount_refunded - amount_disputed`).
+    DisputeExceedsCharge,
     TemporarilyUnavailable(String),
     Internal,
 }
@@ -205,7 +215,8 @@ impl Problem {
             Problem::InvalidRequest(_)
             | Problem::IdempotencyKeyMissing
             | Problem::IdempotencyKeyInvalid => 400,
-            Problem::Unauthorized => 401,
+            Problem::WebhookIdInvalid => 400,
+            Problem::Unauthorized | Problem::SignatureInvalid(_) => 401,
             Problem::InsufficientFunds => 402,
             Problem::NotFound | Problem::AccountNotFound => 404,
             Problem::MethodNotAllowed { .. } => 405,
@@ -220,6 +231,7 @@ impl Problem {
             | Problem::CaptureExceedsAuthorization
             | Problem::BalanceOverflow
             | Problem::WebhookEndpointLimit => 422,
+            Problem::DisputeExceedsCharge => 422,
             Problem::Internal => 500,
             Problem::TemporarilyUnavailable(_) => 503,
         }
@@ -246,6 +258,9 @@ impl Problem {
             Problem::CaptureExceedsAuthorization => "capture-exceeds-authorization",
             Problem::BalanceOverflow => "balance-overflow",
             Problem::WebhookEndpointLimit => "webhook-endpoint-limit",
+            Problem::SignatureInvalid(_) => "signature-invalid",
+            Problem::WebhookIdInvalid => "idempotency-key-invalid",
+            Problem::DisputeExceedsCharge => "dispute-exceeds-charge",
             Problem::TemporarilyUnavailable(_) => "temporarily-unavailable",
             Problem::Internal => "internal-error",
         }
@@ -272,6 +287,9 @@ impl Problem {
             Problem::CaptureExceedsAuthorization => "Capture exceeds authorization",
             Problem::BalanceOverflow => "Balance overflow",
             Problem::WebhookEndpointLimit => "Too many webhook endpoints",
+            Problem::SignatureInvalid(_) => "Signature invalid",
+            Problem::WebhookIdInvalid => "webhook-id header invalid",
+            Problem::DisputeExceedsCharge => "Dispute exceeds charge",
             Problem::TemporarilyUnavailable(_) => "Temporarily unavailable",
             Problem::Internal => "Internal error",
         }
@@ -281,7 +299,15 @@ impl Problem {
         match self {
             Problem::InvalidRequest(detail)
             | Problem::TemporarilyUnavailable(detail)
-            | Problem::InvalidChargeState(detail) => detail.clone(),
+            | Problem::InvalidChargeState(detail)
+            | Problem::SignatureInvalid(detail) => detail.clone(),
+            Problem::WebhookIdInvalid => format!(
+                "a webhook-id is 1 to {} printable ASCII characters without spaces",
+                crate::config::IDEMPOTENCY_KEY_LEN_MAX
+            ),
+            Problem::DisputeExceedsCharge => "the chargeback exceeds what is left of the charge \
+                 (amount_captured - amount_refunded - amount_disputed)"
+                .into(),
             Problem::BodyTooLarge => format!(
                 "the body is larger than {} bytes",
                 crate::config::BODY_SIZE_MAX_BYTES

@@ -30,6 +30,7 @@ use crate::idempotency::{
     self, Attempt, Fingerprint, IdempotencyKey, KeyRow, KeyState, Mode, Owner, RecoveryPoint,
     Reservation, Scope, StoredResponse, Timeouts,
 };
+use crate::inbound::{self, Delivery, NotificationRequest, Received, SourceRequest, Status};
 use crate::ledger::{
     self, AccountOutcome, CancellationReason, ChargeOutcome, Claim, ClaimOutcome, Origin,
     RefundOutcome, UnknownCursor,
@@ -574,6 +575,12 @@ impl App {
                         .map(|out| Step::Complete(endpoint_response(out), false))
                 })
             }
+            Operation::NotificationSource(req) => {
+                self.ledger_phase(&owner, "notification_source", move |tx, o, now| {
+                    inbound::create_source(tx, o.consumer_id, &req, now)
+                        .map(|source| Step::Complete(json_response(201, &source), false))
+                })
+            }
         };
         result.unwrap_or_else(|reply| reply)
     }
@@ -963,6 +970,167 @@ impl App {
     }
 
     // -----------------------------------------------------------------------
+    // Inbound notifications (src/inbound.rs)
+
+    /// `POST /v1/notification_sources`. With an `Idempotency-Key`, a
+    /// replay answers the stored 201 byte for byte, secret included (as
+    /// Stripe does for its endpoints' secrets): the secret is shown once
+    /// per creation, to the key's owner, within `--key-retention`.
+    pub fn create_notification_source(
+        &self,
+        consumer: i64,
+        key: Option<IdempotencyKey>,
+        mode: Mode,
+        body: &Value,
+        req: SourceRequest,
+    ) -> Answer {
+        match key {
+            Some(key) => self.idempotent(
+                consumer,
+                "/v1/notification_sources".into(),
+                key,
+                mode,
+                idempotency::fingerprint(body),
+                Operation::NotificationSource(req),
+            ),
+            None => self.later(move |app, deliver| {
+                let created = app.writer.call(move |tx| {
+                    inbound::create_source(tx, consumer, &req, now_ms())
+                        .map(|s| json_response(201, &s))
+                });
+                deliver(match created {
+                    Ok(stored) => Reply::stored(stored, false),
+                    Err(e) => Problem::from(e).reply(),
+                })
+            }),
+        }
+    }
+
+    pub fn get_notification_source(&self, consumer: i64, id: &str) -> Reply {
+        self.read(
+            |c| inbound::get_source(c, consumer, id),
+            |s| Reply::json(200, &s),
+        )
+    }
+
+    pub fn list_notification_sources(&self, consumer: i64, page: &Page) -> Reply {
+        self.read(
+            |c| inbound::list_sources(c, consumer, page).map(Some),
+            list_reply,
+        )
+    }
+
+    pub fn list_notifications(&self, consumer: i64, status: Option<Status>, page: &Page) -> Reply {
+        self.read(
+            |c| inbound::list(c, consumer, status, page).map(Some),
+            list_reply,
+        )
+    }
+
+    /// `POST /v1/notifications/{source}`, in order: the signature (401
+    /// `signature-invalid`, the same for a source that does not exist,
+    /// which is checked against a dummy key so that it takes as long), the
+    /// `webhook-id` (400), the body (400), then the idempotency decision —
+    /// first on a reader (a replay or a 422 needs no write), then again in
+    /// the one writer command that stores the notification and applies it.
+    pub fn receive_notification(&self, source: &str, signed: &Signed<'_>) -> Answer {
+        let found = match self.readers.read(|c| inbound::source_key(c, source)) {
+            Ok(found) => found,
+            Err(e) => return Problem::from(e).reply().into(),
+        };
+        let tolerance = self.config.notification_tolerance.as_secs() as i64;
+        let now_s = now_ms().div_euclid(1000);
+        let key = found.as_ref().map_or(&[0u8; 32][..], |s| s.key.as_slice());
+        let verified = match (signed.id, signed.timestamp, signed.signature) {
+            (Some(id), Some(ts), Some(sig)) => crate::signature::verify(
+                key,
+                &String::from_utf8_lossy(id),
+                ts,
+                sig,
+                signed.body,
+                now_s,
+                tolerance,
+            ),
+            _ => Err(crate::signature::SignatureError::MissingHeader),
+        };
+        let source = match (verified, found) {
+            (Ok(()), Some(source)) => source,
+            (Ok(()), None) => {
+                return Problem::SignatureInvalid(
+                    crate::signature::SignatureError::NoMatch.to_string(),
+                )
+                .reply()
+                .into()
+            }
+            (Err(why), _) => return Problem::SignatureInvalid(why.to_string()).reply().into(),
+        };
+        let id = signed.id.unwrap_or_default();
+        if !inbound::valid_webhook_id(id) {
+            return Problem::WebhookIdInvalid.reply().into();
+        }
+        let webhook_id = String::from_utf8_lossy(id).into_owned();
+        let parsed = crate::model::parse_object(signed.body)
+            .and_then(|v| NotificationRequest::from_json(&v).map(|r| (v, r)));
+        let (value, request) = match parsed {
+            Ok(parsed) => parsed,
+            Err(e) => return Problem::InvalidRequest(e.to_string()).reply().into(),
+        };
+        let delivery = Delivery {
+            source,
+            webhook_id,
+            fingerprint: idempotency::fingerprint(&value),
+            body: signed.body.to_vec(),
+            request,
+        };
+        let seen = self.readers.read(|c| {
+            inbound::settle(
+                c,
+                delivery.source.id,
+                &delivery.webhook_id,
+                &delivery.fingerprint,
+            )
+        });
+        if let Ok(Some(decided)) = seen {
+            return self.received(Ok(decided)).into();
+        }
+        let abort = self.config.fault == Some(FaultPoint::InNotification)
+            && self
+                .config
+                .fault_operation
+                .as_deref()
+                .is_none_or(|k| k == "notification");
+        self.later(move |app, deliver| {
+            let received = app.writer.call(move |tx| {
+                inbound::receive(tx, &delivery, now_ms(), || {
+                    if abort {
+                        eprintln!("idem: fault point InNotification reached, aborting");
+                        std::process::abort();
+                    }
+                })
+            });
+            deliver(app.received(received))
+        })
+    }
+
+    fn received(&self, received: Result<Received>) -> Reply {
+        match received {
+            Ok(Received::New(status, stored)) => {
+                self.metrics.notifications[status.index()].inc();
+                Reply::stored(stored, false)
+            }
+            Ok(Received::Replay(stored)) => {
+                self.metrics.idempotent_replays.inc();
+                Reply::stored(stored, true)
+            }
+            Ok(Received::Reused) => {
+                self.metrics.conflicts_reused.inc();
+                Problem::IdempotencyKeyReused.reply()
+            }
+            Err(e) => Problem::from(e).reply(),
+        }
+    }
+
+    // -----------------------------------------------------------------------
     // Reads
 
     fn read<T>(
@@ -1225,6 +1393,17 @@ fn operation_object(row: &KeyRow) -> OperationObject<'_> {
     }
 }
 
+/// The parts of a notification its signature covers, as received: the
+/// three Standard Webhooks headers (`None`: missing, repeated or not text)
+/// and the raw body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Signed<'a> {
+    pub id: Option<&'a [u8]>,
+    pub timestamp: Option<&'a str>,
+    pub signature: Option<&'a str>,
+    pub body: &'a [u8],
+}
+
 fn list_reply<T: Serialize>(list: std::result::Result<ListObject<T>, UnknownCursor>) -> Reply {
     match list {
         Ok(list) => Reply::json(200, &list),
@@ -1279,6 +1458,10 @@ fn prepare(
             endpoint_response(webhooks::create(tx, owner.consumer_id, req, now)?),
             false,
         ),
+        Operation::NotificationSource(req) if mode == Mode::Sync && fresh => {
+            let source = inbound::create_source(tx, owner.consumer_id, req, now)?;
+            done(json_response(201, &source), false)
+        }
         Operation::Capture(CaptureRequest { charge, amount }) if !took_over => {
             claim(tx, &owner, charge, Claim::Capture(*amount), now, row, done)
         }

@@ -33,8 +33,6 @@ struct Cli {
     command: Command,
 }
 
-// Parsed once per process: the size of `Serve`'s arguments costs nothing.
-#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the ledger server.

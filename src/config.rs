@@ -271,6 +271,9 @@ pub enum FaultPoint {
     /// A schema migration step ran its SQL; its transaction has not
     /// committed (the database must stay at the previous version).
     InMigration,
+    /// An inbound notification's writer command stored it and applied its
+    /// effect; the transaction has not committed (nothing may remain).
+    InNotification,
 }
 
 impl FaultPoint {
@@ -280,7 +283,15 @@ impl FaultPoint {
         match s.split_once(':') {
             None => Some((FaultPoint::parse(s)?, None)),
             Some((kind, point)) => {
-                let kinds = ["account", "charge", "refund", "capture", "cancel", "expiry"];
+                let kinds = [
+                    "account",
+                    "charge",
+                    "refund",
+                    "capture",
+                    "cancel",
+                    "expiry",
+                    "notification",
+                ];
                 kinds
                     .contains(&kind)
                     .then(|| Some((FaultPoint::parse(point)?, Some(kind.to_string()))))?
@@ -295,6 +306,7 @@ impl FaultPoint {
             "after_recovery_point" => FaultPoint::AfterRecoveryPoint,
             "after_commit" => FaultPoint::AfterCommit,
             "in_migration" => FaultPoint::InMigration,
+            "in_notification" => FaultPoint::InNotification,
             _ => return None,
         })
     }

@@ -447,6 +447,10 @@ pub fn apply_charge(
         EventType::ChargeAuthorized
     };
     events::record(tx, consumer_id, kind, &object.id, &object, now_ms)?;
+    if req.capture {
+        // Chargebacks that overtook this authorization apply now.
+        crate::inbound::settle_unmatched(tx, consumer_id, authorization_id, now_ms)?;
+    }
     Ok(ChargeOutcome::Created(object))
 }
 
@@ -606,6 +610,8 @@ pub fn apply_capture(
         &object,
         now_ms,
     )?;
+    // Chargebacks that arrived while it was a hold apply now.
+    crate::inbound::settle_unmatched(tx, consumer_id, &object.authorization, now_ms)?;
     Ok(object)
 }
 
@@ -649,6 +655,12 @@ pub fn apply_cancel(
         &object,
         now_ms,
     )?;
+    let why = if reason == "expired" {
+        "expired"
+    } else {
+        "canceled"
+    };
+    crate::inbound::release_unmatched(tx, consumer_id, &object.authorization, why)?;
     Ok(object)
 }
 
@@ -905,8 +917,9 @@ pub fn list_entries(
         account.id,
         p,
         "SELECT id FROM entries WHERE account_id = ?1 AND public_id = ?2",
-        "SELECT e.public_id, e.amount, c.public_id, r.public_id, e.created_at FROM entries e \
-         JOIN charges c ON c.id = e.charge_id LEFT JOIN refunds r ON r.id = e.refund_id \
+        "SELECT e.public_id, e.amount, c.public_id, r.public_id, e.created_at, d.public_id \
+         FROM entries e JOIN charges c ON c.id = e.charge_id \
+         LEFT JOIN refunds r ON r.id = e.refund_id LEFT JOIN disputes d ON d.id = e.dispute_id \
          WHERE e.account_id = ?1 AND e.id < ?2 ORDER BY e.id DESC LIMIT ?3",
         |r| {
             Ok(EntryObject {
@@ -916,6 +929,7 @@ pub fn list_entries(
                 amount: r.get(1)?,
                 charge: r.get(2)?,
                 refund: r.get(3)?,
+                dispute: r.get(5)?,
                 created_at: rfc3339(r.get(4)?),
             })
         },

@@ -35,6 +35,7 @@ pub mod events;
 pub mod http;
 pub mod idempotency;
 pub mod ids;
+pub mod inbound;
 pub mod json;
 pub mod ledger;
 pub mod metrics;

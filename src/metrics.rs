@@ -69,6 +69,10 @@ impl Counter {
     }
 }
 
+/// The `status` labels of `idem_notifications_total`, in the order of
+/// [`Metrics::notifications`].
+pub const NOTIFICATION_STATUSES: [&str; 3] = ["applied", "ignored", "unmatched"];
+
 pub struct Metrics {
     /// (route template, status) → count.
     http_requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
@@ -85,6 +89,11 @@ pub struct Metrics {
     pub keys_reaped: Counter,
     /// Holds the reaper voided and released after `--authorization-ttl`.
     pub authorizations_expired: Counter,
+    /// Inbound notifications by the status they were stored with
+    /// (`applied`, `ignored`, `unmatched`; an `unmatched` one settled later
+    /// is not counted again). Replays and refused deliveries are not
+    /// counted here.
+    pub notifications: [Counter; 3],
     pub commit_batch_size: Histogram,
     pub commit_duration_seconds: Histogram,
     /// Webhook attempts answered 2xx (`result="succeeded"`).
@@ -109,6 +118,7 @@ impl Default for Metrics {
             orphans_taken_over: Counter::default(),
             keys_reaped: Counter::default(),
             authorizations_expired: Counter::default(),
+            notifications: Default::default(),
             commit_batch_size: Histogram::new(BATCH_BUCKETS),
             commit_duration_seconds: Histogram::new(SECONDS_BUCKETS),
             webhook_succeeded: Counter::default(),
@@ -224,6 +234,17 @@ impl Metrics {
              # TYPE idem_webhook_backlog gauge\nidem_webhook_backlog {}",
             self.webhook_backlog.load(Ordering::Relaxed)
         );
+        out.push_str(
+            "# HELP idem_notifications_total Inbound notifications stored, by the status \
+             they were received with.\n# TYPE idem_notifications_total counter\n",
+        );
+        for (status, counter) in NOTIFICATION_STATUSES.iter().zip(&self.notifications) {
+            let _ = writeln!(
+                out,
+                "idem_notifications_total{{status=\"{status}\"}} {}",
+                counter.get()
+            );
+        }
         self.commit_batch_size.render(
             "idem_commit_batch_size",
             "Write commands per commit.",

@@ -477,6 +477,8 @@ pub enum Operation {
     Cancel(CancelRequest),
     /// `POST /v1/webhook_endpoints` with an `Idempotency-Key`.
     WebhookEndpoint(WebhookEndpointRequest),
+    /// `POST /v1/notification_sources` with an `Idempotency-Key`.
+    NotificationSource(crate::inbound::SourceRequest),
 }
 
 // ---------------------------------------------------------------------------
@@ -543,6 +545,8 @@ pub struct EntryObject {
     pub amount: i64,
     pub charge: String,
     pub refund: Option<String>,
+    /// The dispute (`dp_…`) whose chargeback wrote this entry.
+    pub dispute: Option<String>,
     pub created_at: String,
 }
 

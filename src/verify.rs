@@ -81,17 +81,21 @@ const CHECKS: &[(&str, Check)] = &[
     (
         "3/7. each captured charge has one debit of its source and one credit of its \
          destination, of amount_captured",
+        // Its other entries are its refunds' and its disputes' (checked
+        // below); an entry names at most one of them.
         Check::Query(
             "SELECT 'charge ' || c.public_id || ' has wrong entries' FROM charges c \
              WHERE c.status = 'succeeded' AND (\
-             (SELECT count(*) FROM entries e WHERE e.charge_id = c.id AND e.refund_id IS NULL) \
-             <> 2 \
+             (SELECT count(*) FROM entries e WHERE e.charge_id = c.id AND e.refund_id IS NULL \
+               AND e.dispute_id IS NULL) <> 2 \
              OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id \
-               AND e.refund_id IS NULL AND e.account_id = c.source_id \
+               AND e.refund_id IS NULL AND e.dispute_id IS NULL AND e.account_id = c.source_id \
                AND e.amount = -c.amount_captured) \
              OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id \
-               AND e.refund_id IS NULL AND e.account_id = c.destination_id \
-               AND e.amount = c.amount_captured))",
+               AND e.refund_id IS NULL AND e.dispute_id IS NULL \
+               AND e.account_id = c.destination_id AND e.amount = c.amount_captured)) \
+             UNION ALL SELECT 'entry ' || public_id || ' names both a refund and a dispute' \
+             FROM entries WHERE refund_id IS NOT NULL AND dispute_id IS NOT NULL",
         ),
     ),
     (
@@ -143,6 +147,41 @@ const CHECKS: &[(&str, Check)] = &[
     (
         "3. amount_refunded is the sum of refunds and at most the amount",
         Check::Sums(refunds_add_up),
+    ),
+    (
+        "3/7. each dispute has exactly its two entries: its charge's destination debited, \
+         its source credited",
+        Check::Query(
+            "SELECT 'dispute ' || d.public_id || ' has wrong entries' FROM disputes d \
+             JOIN charges c ON c.id = d.charge_id WHERE \
+             (SELECT count(*) FROM entries e WHERE e.dispute_id = d.id) <> 2 \
+             OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.dispute_id = d.id \
+               AND e.charge_id = c.id AND e.account_id = c.destination_id \
+               AND e.amount = -d.amount) \
+             OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.dispute_id = d.id \
+               AND e.charge_id = c.id AND e.account_id = c.source_id AND e.amount = d.amount) \
+             UNION ALL SELECT 'dispute ' || d.public_id || ' is on a charge that is ' || c.status \
+             FROM disputes d JOIN charges c ON c.id = d.charge_id WHERE c.status <> 'succeeded'",
+        ),
+    ),
+    (
+        "3/7. amount_disputed is the sum of the charge's disputes",
+        Check::Sums(disputes_add_up),
+    ),
+    (
+        "7. a notification is applied if and only if it produced a dispute, of its \
+         authorization's charge",
+        Check::Query(
+            "SELECT 'notification ' || n.public_id || ' is ' || n.status || ' with ' || \
+             (SELECT count(*) FROM disputes d WHERE d.notification_id = n.id) || ' disputes' \
+             FROM notifications n WHERE (n.status = 'applied') <> \
+             EXISTS (SELECT 1 FROM disputes d WHERE d.notification_id = n.id) \
+             UNION ALL SELECT 'dispute ' || d.public_id || ' is not of its notification''s \
+             authorization' FROM disputes d JOIN notifications n ON n.id = d.notification_id \
+             JOIN charges c ON c.id = d.charge_id WHERE n.type <> 'chargeback.created' \
+             OR n.authorization IS NOT c.authorization_id OR n.consumer_id <> c.consumer_id \
+             OR d.consumer_id <> c.consumer_id",
+        ),
     ),
     (
         "4. every completed key has a stored response",
@@ -217,11 +256,9 @@ const CHECKS: &[(&str, Check)] = &[
         Check::Sums(holds_add_up),
     ),
     (
-        "6. no account without allow_negative has less available than 0",
-        Check::Query(
-            "SELECT 'account ' || public_id || ' has balance ' || balance || ' and holds ' \
-             || held FROM accounts WHERE allow_negative = 0 AND balance < held",
-        ),
+        "6/8. no account without allow_negative has less available than 0, but for what \
+         disputes took from it",
+        Check::Sums(available_but_for_disputes),
     ),
     (
         "6. a claimed hold belongs to a capture or cancel of it in progress, or to the expiry",
@@ -294,10 +331,14 @@ const CHECKS: &[(&str, Check)] = &[
         ),
     ),
     (
-        "5/8. no account without allow_negative is negative",
+        "5/8. no account without allow_negative is negative, but for what disputes took \
+         from it",
+        // Implied by 6/8 (held >= 0); said on its own for the report.
         Check::Query(
-            "SELECT 'account ' || public_id || ' is at ' || balance FROM accounts \
-             WHERE allow_negative = 0 AND balance < 0",
+            "SELECT 'account ' || a.public_id || ' is at ' || a.balance FROM accounts a \
+             WHERE a.allow_negative = 0 AND a.balance < 0 AND NOT EXISTS \
+             (SELECT 1 FROM entries e WHERE e.account_id = a.id AND e.dispute_id IS NOT NULL \
+               AND e.amount < 0)",
         ),
     ),
 ];
@@ -611,6 +652,75 @@ fn holds_add_up(conn: &Connection) -> Result<Vec<String>> {
                 want.0,
                 want.1
             )),
+        }
+    }
+    Ok(lines)
+}
+
+/// Invariant 7 with disputes: a charge's `amount_disputed` is the sum of
+/// its disputes.
+fn disputes_add_up(conn: &Connection) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let mut sums: HashMap<i64, i128> = HashMap::new();
+    let mut stmt = conn.prepare("SELECT charge_id, public_id, amount FROM disputes")?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        match money(row.get_ref(2)?) {
+            Ok(amount) => *sums.entry(row.get(0)?).or_default() += amount,
+            Err(shown) => lines.push(format!(
+                "dispute {} has an amount that is not an integer: {shown}",
+                row.get::<_, String>(1)?
+            )),
+        }
+    }
+    let mut stmt =
+        conn.prepare("SELECT id, public_id, amount_disputed FROM charges ORDER BY id")?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        let disputes = sums.get(&row.get(0)?).copied().unwrap_or(0);
+        match money(row.get_ref(2)?) {
+            Ok(disputed) if disputed == disputes => {}
+            disputed => lines.push(format!(
+                "charge {} amount_disputed {} but disputes sum to {disputes}",
+                row.get::<_, String>(1)?,
+                disputed.map_or_else(|s| s, |n| n.to_string())
+            )),
+        }
+    }
+    Ok(lines)
+}
+
+/// Invariants 6 and 8: an account without `allow_negative` never has less
+/// available than 0 through a charge, hold, capture or refund — each of
+/// them checks `available` first — so its balance, less its holds, plus
+/// what disputes debited from it (the network forces those) is never
+/// negative.
+fn available_but_for_disputes(conn: &Connection) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let mut forced: HashMap<i64, i128> = HashMap::new();
+    let mut stmt = conn.prepare(
+        "SELECT account_id, amount FROM entries WHERE dispute_id IS NOT NULL AND amount < 0",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        if let Ok(amount) = money(row.get_ref(1)?) {
+            *forced.entry(row.get(0)?).or_default() -= amount;
+        }
+    }
+    let mut stmt = conn.prepare(
+        "SELECT id, public_id, balance, held FROM accounts WHERE allow_negative = 0 ORDER BY id",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        let taken = forced.get(&row.get(0)?).copied().unwrap_or(0);
+        if let (Ok(balance), Ok(held)) = (money(row.get_ref(2)?), money(row.get_ref(3)?)) {
+            if balance - held + taken < 0 {
+                lines.push(format!(
+                    "account {} has balance {balance} and holds {held}, and disputes took \
+                     only {taken}",
+                    row.get::<_, String>(1)?
+                ));
+            }
         }
     }
     Ok(lines)

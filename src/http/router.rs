@@ -7,10 +7,11 @@ use serde_json::Value;
 
 use super::Request;
 use crate::api::{Answer, Problem, Reply, JSON, OPENAPI_DOCUMENT};
-use crate::app::App;
+use crate::app::{App, Signed};
 use crate::config::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 use crate::events::EventType;
 use crate::idempotency::{IdempotencyKey, KeyError, Mode};
+use crate::inbound::{SourceRequest, Status};
 use crate::model::{
     parse_object, AccountRequest, CancelRequest, CaptureRequest, ChargeRequest, FieldError, Page,
     RefundRequest, WebhookEndpointRequest,
@@ -36,6 +37,12 @@ pub enum Route<'a> {
     EventDeliveries(&'a str),
     WebhookEndpoints,
     WebhookEndpoint(&'a str),
+    NotificationSources,
+    NotificationSource(&'a str),
+    Notifications,
+    /// `POST /v1/notifications/{id}`: a source's inbound notification,
+    /// authenticated by its signature, not by a bearer key.
+    Notify(&'a str),
 }
 
 impl Route<'_> {
@@ -58,6 +65,10 @@ impl Route<'_> {
             Route::EventDeliveries(_) => "/v1/events/{id}/deliveries",
             Route::WebhookEndpoints => "/v1/webhook_endpoints",
             Route::WebhookEndpoint(_) => "/v1/webhook_endpoints/{id}",
+            Route::NotificationSources => "/v1/notification_sources",
+            Route::NotificationSource(_) => "/v1/notification_sources/{id}",
+            Route::Notifications => "/v1/notifications",
+            Route::Notify(_) => "/v1/notifications/{id}",
         }
     }
 
@@ -66,15 +77,24 @@ impl Route<'_> {
     /// engine sends GET's status and headers without the body.
     pub fn allow(&self) -> &'static str {
         match self {
-            Route::Accounts | Route::Refunds(_) | Route::Capture(_) | Route::Cancel(_) => "POST",
-            Route::Charges | Route::WebhookEndpoints => "GET, HEAD, POST",
+            Route::Accounts
+            | Route::Refunds(_)
+            | Route::Capture(_)
+            | Route::Cancel(_)
+            | Route::Notify(_) => "POST",
+            Route::Charges | Route::WebhookEndpoints | Route::NotificationSources => {
+                "GET, HEAD, POST"
+            }
             Route::WebhookEndpoint(_) => "GET, HEAD, DELETE",
             _ => "GET, HEAD",
         }
     }
 
     fn needs_auth(&self) -> bool {
-        !matches!(self, Route::Healthz | Route::Metrics | Route::OpenApi)
+        !matches!(
+            self,
+            Route::Healthz | Route::Metrics | Route::OpenApi | Route::Notify(_)
+        )
     }
 }
 
@@ -97,6 +117,10 @@ pub const ROUTES: &[&str] = &[
     "/v1/events/{id}/deliveries",
     "/v1/webhook_endpoints",
     "/v1/webhook_endpoints/{id}",
+    "/v1/notification_sources",
+    "/v1/notification_sources/{id}",
+    "/v1/notifications",
+    "/v1/notifications/{id}",
 ];
 
 pub fn match_route(path: &str) -> Option<Route<'_>> {
@@ -120,6 +144,10 @@ pub fn match_route(path: &str) -> Option<Route<'_>> {
         ["v1", "events", id, "deliveries"] if id_ok(id) => Route::EventDeliveries(id),
         ["v1", "webhook_endpoints"] => Route::WebhookEndpoints,
         ["v1", "webhook_endpoints", id] if id_ok(id) => Route::WebhookEndpoint(id),
+        ["v1", "notification_sources"] => Route::NotificationSources,
+        ["v1", "notification_sources", id] if id_ok(id) => Route::NotificationSource(id),
+        ["v1", "notifications"] => Route::Notifications,
+        ["v1", "notifications", id] if id_ok(id) => Route::Notify(id),
         _ => return None,
     })
 }
@@ -154,6 +182,14 @@ pub enum Command<'a> {
     ListWebhookEndpoints(Page),
     GetWebhookEndpoint(&'a str),
     DeleteWebhookEndpoint(&'a str),
+    CreateNotificationSource(Write<SourceRequest, Option<IdempotencyKey>>),
+    GetNotificationSource(&'a str),
+    ListNotificationSources(Page),
+    /// `GET /v1/notifications`, of one status if filtered.
+    ListNotifications(Page, Option<Status>),
+    /// A notification for source `.0`, not yet authenticated: the
+    /// signature needs the source's secret, so `App` checks it first.
+    Notify(&'a str, Signed<'a>),
 }
 
 /// A decoded POST: its key (required unless `K` is an `Option`), its mode,
@@ -182,6 +218,9 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer
         None
     };
     let command = decode(req, route)?;
+    if let Command::Notify(source, signed) = &command {
+        return Ok(app.receive_notification(source, signed));
+    }
     let Some(consumer) = consumer else {
         return Ok(Answer::Now(match command {
             Command::Healthz => Reply::json(200, &serde_json::json!({"status": "ok"})),
@@ -219,15 +258,29 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer
         Command::ListWebhookEndpoints(page) => app.list_webhook_endpoints(consumer, &page).into(),
         Command::GetWebhookEndpoint(id) => app.get_webhook_endpoint(consumer, id).into(),
         Command::DeleteWebhookEndpoint(id) => app.delete_webhook_endpoint(consumer, id),
-        Command::Healthz | Command::Metrics | Command::OpenApi => {
+        Command::CreateNotificationSource(w) => {
+            app.create_notification_source(consumer, w.key, w.mode, &w.body, w.request)
+        }
+        Command::GetNotificationSource(id) => app.get_notification_source(consumer, id).into(),
+        Command::ListNotificationSources(page) => {
+            app.list_notification_sources(consumer, &page).into()
+        }
+        Command::ListNotifications(page, status) => {
+            app.list_notifications(consumer, status, &page).into()
+        }
+        Command::Healthz | Command::Metrics | Command::OpenApi | Command::Notify(..) => {
             unreachable!("a public route authenticated")
         }
     })
 }
 
 /// Whether the request must carry a bearer key (checked first, 401):
-/// everything under `/v1`, matched or not, and every `/v1` route.
+/// everything under `/v1`, matched or not, and every `/v1` route — but a
+/// source's notifications, which its signature authenticates.
 pub fn needs_auth(req: &Request, route: Option<&Route<'_>>) -> bool {
+    if matches!(route, Some(Route::Notify(_))) {
+        return false;
+    }
     let under_v1 = req.path == "/v1" || req.path.starts_with("/v1/");
     under_v1 || route.is_some_and(Route::needs_auth)
 }
@@ -339,8 +392,54 @@ pub fn decode<'a>(req: &'a Request, route: Option<Route<'a>>) -> Result<Command<
         (_, Route::EventDeliveries(id)) => Command::ListDeliveries(id),
         (_, Route::WebhookEndpoints) => Command::ListWebhookEndpoints(page(req)?),
         (_, Route::WebhookEndpoint(id)) => Command::GetWebhookEndpoint(id),
+        ("POST", Route::NotificationSources) => {
+            let key = idempotency_key(req, false)?;
+            let body = body(req)?;
+            let request = SourceRequest::from_json(&body).map_err(invalid)?;
+            Command::CreateNotificationSource(Write {
+                key,
+                mode: mode(req),
+                body,
+                request,
+            })
+        }
+        (_, Route::NotificationSources) => Command::ListNotificationSources(page(req)?),
+        (_, Route::NotificationSource(id)) => Command::GetNotificationSource(id),
+        (_, Route::Notifications) => {
+            let (page, status) = filtered_page(req, "status")?;
+            let status = status
+                .map(|s| {
+                    Status::parse(&s).ok_or_else(|| {
+                        Problem::InvalidRequest(format!(
+                            "status: '{s}' is not applied, ignored or unmatched"
+                        ))
+                    })
+                })
+                .transpose()?;
+            Command::ListNotifications(page, status)
+        }
+        ("POST", Route::Notify(source)) => {
+            let text = |name| single(req, name).and_then(|v| std::str::from_utf8(v).ok());
+            Command::Notify(
+                source,
+                Signed {
+                    id: single(req, "webhook-id"),
+                    timestamp: text("webhook-timestamp"),
+                    signature: text("webhook-signature"),
+                    body: &req.body,
+                },
+            )
+        }
         (_, route) => unreachable!("method {method} allowed on {}", route.template()),
     })
+}
+
+/// The value of a header sent exactly once (a repeated Standard Webhooks
+/// header is as good as a missing one).
+fn single<'a>(req: &'a Request, name: &'a str) -> Option<&'a [u8]> {
+    let mut values = req.headers(name);
+    let first = values.next()?;
+    values.next().is_none().then_some(first)
 }
 
 fn authenticate(app: &App, req: &Request) -> Result<i64, Problem> {
