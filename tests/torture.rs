@@ -32,6 +32,28 @@
 //! charge with the right status and amounts, and a capture created after its
 //! hold's `expires_at` cannot succeed.
 //!
+//! Chargebacks: a client also sends signed `chargeback.created`
+//! notifications (Standard Webhooks, its consumer's notification source's
+//! secret, no bearer key) for charges of its own with captured money, each
+//! with a fresh `webhook-id` and retried with that id and body across kills
+//! until answered: 200 `applied` within what its client knows is left
+//! (captured, less its refunds and disputes: only it refunds or disputes
+//! the charge, so the refund judge stays exact too), else 422
+//! `dispute-exceeds-charge`; some are sent as 2–4 concurrent copies of one
+//! id (one answer, at most one not a replay), and answered ones are re-sent
+//! like any intent (a byte-identical replay).
+//!
+//! Events: each consumer has one webhook endpoint (`enabled_events: ["*"]`,
+//! created before any other write) at a receiver in this process, which
+//! checks every attempt's signature with the reference `standardwebhooks`
+//! crate, keys arrivals by `webhook-id`, fails the run if an id ever comes
+//! back with other bytes, and refuses a seeded fifth of the attempts (500,
+//! or the connection closed unanswered), so that deliveries are retried,
+//! also across kills. After every kill `idem verify` pairs each state change
+//! with its one event; at the end every delivery must have succeeded and
+//! the ids the receiver accepted must be exactly the events in the file,
+//! each byte-identical to `events.body`: none lost, none invented.
+//!
 //! Seeded: `IDEM_TORTURE_SEED=<u64>` replays the schedule of intents and of
 //! kill moments. Thread timing is not deterministic, so which request a kill
 //! interrupts, and hence which answers come back, differ between two runs of
@@ -46,15 +68,21 @@
 //! was — canceled with `cancellation_reason: expired`; and a 409 of a capture
 //! or cancel that came back before its hold expired must have lost to another
 //! capture or cancel of that hold answered 200 (before the expiry nothing
-//! else claims a hold). A second test tampers with copies of a real file
-//! (and with the answers) to show that each check fails when it should, and
-//! a third that the judge accepts exactly what the contract allows.
+//! else claims a hold). Each chargeback answered 200 has its one
+//! notification row and one dispute of its amount, whose money moved once
+//! (the model's balances and each charge's `amount_disputed` include it);
+//! one answered 422 moved nothing; no notification or dispute is there that
+//! nobody was answered. A second test tampers with copies of a real file
+//! (and with the answers and the receiver's log) to show that each check
+//! fails when it should, and a third that the judge accepts exactly what the
+//! contract allows.
 
 mod support;
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex, RwLock};
@@ -98,6 +126,20 @@ const DRAIN_DEADLINE: Duration = Duration::from_secs(30);
 /// connection error (the server is down or restarting).
 const RETRY_PAUSE: Duration = Duration::from_millis(40);
 const DOWN_PAUSE: Duration = Duration::from_millis(10);
+/// Webhook delivery: a short backoff base, so that the retries of attempts
+/// the receiver refuses happen during the run and across its kills; a
+/// timeout well above what the receiver takes to answer; and attempts enough
+/// that a delivery refused over and over (`RECEIVER_FAULT_PERCENT` each
+/// time) is not given up on (0.2^30) but shows as pending, then lost.
+const WEBHOOK_RETRY_BASE: &str = "20ms";
+const WEBHOOK_TIMEOUT: &str = "2s";
+const WEBHOOK_ATTEMPTS_MAX: &str = "30";
+/// The share of webhook attempts the receiver refuses, half with a 500 and
+/// half by closing the connection without an answer.
+const RECEIVER_FAULT_PERCENT: u64 = 20;
+/// How long the end waits for every delivery to succeed after the last
+/// state change (the backoff after 10 refusals in a row is at most ~10 s).
+const DELIVERY_DRAIN_DEADLINE: Duration = Duration::from_secs(45);
 
 /// Every consumer gets the same accounts: in each currency one funding
 /// account that may go negative and merchants that may not.
@@ -261,6 +303,18 @@ enum Kind {
         authorized: i64,
         settled: bool,
     },
+    /// A signed `chargeback.created` notification from the consumer's
+    /// source `source` (its key is the `webhook-id`) for `amount` of
+    /// `charge` (a sale or a captured hold of the client's, whose
+    /// authorization it names). `left`: what its client knows is left of the
+    /// captured money, less refunds and disputes (nobody else refunds or
+    /// disputes this charge): 200 `applied` within it, else 422.
+    Chargeback {
+        charge: String,
+        source: String,
+        amount: i64,
+        left: i64,
+    },
 }
 
 impl Kind {
@@ -341,12 +395,26 @@ struct Stats {
     races_won_by_capture: AtomicU64,
     races_won_by_cancel: AtomicU64,
     races_won_by_nobody: AtomicU64,
+    /// Notifications sent as several concurrent copies of one id, and the
+    /// copies.
+    copied_notifications: AtomicU64,
+    copies: AtomicU64,
+}
+
+/// A consumer's notification source: where its chargebacks are posted and
+/// the secret they are signed with.
+#[derive(Debug, Clone)]
+struct Source {
+    id: String,
+    secret: String,
 }
 
 /// What the clients and the kill loop share.
 struct Shared {
     seed: u64,
     keys: Vec<String>,
+    /// Consumer `i`'s notification source.
+    sources: Vec<Source>,
     /// Where the child listens; `None` while it is down.
     addr: RwLock<Option<SocketAddr>>,
     /// No new intents; finish the current one.
@@ -429,16 +497,11 @@ fn attempt(shared: &Shared, intent: &Intent) -> Attempt {
         return Attempt::Down;
     };
     shared.stats.attempts.fetch_add(1, Ordering::Relaxed);
-    let auth = format!("Bearer {}", shared.keys[intent.consumer]);
-    let mut headers = vec![
-        ("Authorization", auth.as_str()),
-        ("Idempotency-Key", intent.key.as_str()),
-        ("Content-Type", "application/json"),
-    ];
-    if intent.respond_async {
-        headers.push(("Prefer", "respond-async"));
-    }
-    match support::send(addr, "POST", &intent.path, &headers, intent.body.as_bytes()) {
+    let secret = match &intent.kind {
+        Kind::Chargeback { .. } => &shared.sources[intent.consumer].secret,
+        _ => &shared.keys[intent.consumer],
+    };
+    match send_intent(addr, secret, intent) {
         Err(_) => {
             shared
                 .stats
@@ -468,6 +531,39 @@ fn attempt(shared: &Shared, intent: &Intent) -> Attempt {
             Attempt::Retry
         }
     }
+}
+
+/// One attempt of `intent`: with the consumer's bearer key `secret` and the
+/// intent's `Idempotency-Key`; a notification with no bearer key, signed
+/// per Standard Webhooks with its source's `secret` (a fresh timestamp on
+/// every attempt, as a sender that retries signs anew) and its key as the
+/// `webhook-id`.
+fn send_intent(addr: SocketAddr, secret: &str, intent: &Intent) -> std::io::Result<support::Resp> {
+    let body = intent.body.as_bytes();
+    if let Kind::Chargeback { .. } = intent.kind {
+        let timestamp = now_ms().div_euclid(1000);
+        let signature = standardwebhooks::Webhook::new(secret)
+            .and_then(|w| w.sign(&intent.key, timestamp, body))
+            .expect("a whsec_ secret and a UTF-8 body");
+        let timestamp = timestamp.to_string();
+        let headers = [
+            ("webhook-id", intent.key.as_str()),
+            ("webhook-timestamp", timestamp.as_str()),
+            ("webhook-signature", signature.as_str()),
+            ("Content-Type", "application/json"),
+        ];
+        return support::send(addr, "POST", &intent.path, &headers, body);
+    }
+    let auth = format!("Bearer {secret}");
+    let mut headers = vec![
+        ("Authorization", auth.as_str()),
+        ("Idempotency-Key", intent.key.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    if intent.respond_async {
+        headers.push(("Prefer", "respond-async"));
+    }
+    support::send(addr, "POST", &intent.path, &headers, body)
 }
 
 /// Sends `intent` until it gets a final answer; `None` if the test aborted
@@ -679,6 +775,27 @@ fn judge(intent: &Intent, answer: &Answer) -> Result<(), String> {
                 && time_of(&body, "canceled_at").is_some()
         }
         (Kind::Cancel { .. }, 409) => charge_state(),
+        (
+            Kind::Chargeback {
+                source,
+                amount,
+                left,
+                ..
+            },
+            200,
+        ) => {
+            body["object"] == "notification"
+                && body["id"].as_str().is_some_and(|id| id.starts_with("ntf_"))
+                && body["source"] == json!(source)
+                && body["type"] == "chargeback.created"
+                && body["status"] == "applied"
+                && time_of(&body, "received_at").is_some()
+                && 0 < *amount
+                && amount <= left
+        }
+        (Kind::Chargeback { amount, left, .. }, 422) => {
+            amount > left && is_slug(answer, "dispute-exceeds-charge")
+        }
         _ => false,
     };
     if ok {
@@ -726,6 +843,10 @@ struct Owned {
     fate: Fate,
     /// What its refunds answered 201 add up to.
     refunded: i64,
+    /// Its acquirer authorization, which chargebacks name.
+    authorization: String,
+    /// What its chargebacks answered 200 add up to.
+    disputed: i64,
 }
 
 /// A client's own view: what it was answered, and the charges it created
@@ -776,6 +897,9 @@ impl Client {
                 continue;
             }
             if roll < 52 && self.settle_one() {
+                continue;
+            }
+            if roll >= 94 && self.chargeback_one() {
                 continue;
             }
             // A hold or a sale; also when there was nothing to refund or
@@ -864,7 +988,8 @@ impl Client {
                 let Fate::Captured(c) = self.owned[i].fate else {
                     unreachable!("picked among the captured")
                 };
-                (i, Some(c - self.owned[i].refunded), "refund")
+                let o = &self.owned[i];
+                (i, Some(c - o.refunded - o.disputed), "refund")
             } else {
                 return false;
             };
@@ -888,6 +1013,108 @@ impl Client {
         let intent = self.intent(path, body, kind, tag);
         self.carry_out(intent);
         true
+    }
+
+    /// A chargeback of a charge with captured money (a sale or a captured
+    /// hold): mostly a small part of what is left, sometimes all of it,
+    /// sometimes more (422); one in six sent as several concurrent copies
+    /// of one `webhook-id`. False if there is no captured charge.
+    fn chargeback_one(&mut self) -> bool {
+        let captured: Vec<usize> = self.indices(|o| matches!(o.fate, Fate::Captured(_)));
+        if captured.is_empty() {
+            return false;
+        }
+        let i = *self.rng.pick(&captured);
+        let Fate::Captured(c) = self.owned[i].fate else {
+            unreachable!("picked among the captured")
+        };
+        let left = c - self.owned[i].refunded - self.owned[i].disputed;
+        let (amount, tag) = if left <= 0 || self.rng.percent(10) {
+            let over = left.max(0) + self.rng.between(1, 100) as i64;
+            (over, "chargeback over what is left")
+        } else if self.rng.percent(10) {
+            (left, "chargeback of all that is left")
+        } else {
+            let small = self.rng.between(1, (left as u64).div_ceil(4)) as i64;
+            (small, "chargeback")
+        };
+        let mut data = json!({"authorization": self.owned[i].authorization, "amount": amount});
+        if self.rng.percent(50) {
+            let reason = *self
+                .rng
+                .pick(&["fraudulent", "product_not_received", "duplicate"]);
+            data["reason"] = json!(reason);
+        }
+        let source = self.shared.sources[self.consumer].clone();
+        let webhook_id = format!("msg_{}", self.rng.uuid().replace('-', ""));
+        let intent = Arc::new(Intent {
+            client: self.index,
+            consumer: self.consumer,
+            key: webhook_id,
+            path: format!("/v1/notifications/{}", source.id),
+            body: json!({"type": "chargeback.created", "data": data}).to_string(),
+            kind: Kind::Chargeback {
+                charge: self.owned[i].id.clone(),
+                source: source.id,
+                amount,
+                left,
+            },
+            respond_async: false,
+            created_ms: now_ms(),
+            tag,
+        });
+        if self.rng.percent(16) {
+            self.send_copies(intent);
+        } else {
+            self.carry_out(intent);
+        }
+        true
+    }
+
+    /// Sends 2 to 4 copies of one notification at once, from as many
+    /// threads, each until its final answer: every copy gets the same status
+    /// and bytes, and at most one of them is not a replay (one effect, which
+    /// the end checks find once in the database).
+    fn send_copies(&mut self, intent: Arc<Intent>) {
+        let copies = self.rng.between(2, 4) as usize;
+        let shared = Arc::clone(&self.shared);
+        let answers: Vec<Option<Answer>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..copies)
+                .map(|_| s.spawn(|| until_final(&shared, &intent)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("copy thread"))
+                .collect()
+        });
+        let Some(answers) = answers.into_iter().collect::<Option<Vec<Answer>>>() else {
+            return;
+        };
+        let stats = &self.shared.stats;
+        stats.copied_notifications.fetch_add(1, Ordering::Relaxed);
+        stats.copies.fetch_add(copies as u64, Ordering::Relaxed);
+        let fresh = answers.iter().filter(|a| !a.replayed).count();
+        let first = answers
+            .iter()
+            .find(|a| !a.replayed)
+            .unwrap_or(&answers[0])
+            .clone();
+        let shown: Vec<String> = answers
+            .iter()
+            .map(|a| format!("{} (replayed: {})", a.text(), a.replayed))
+            .collect();
+        if fresh > 1
+            || answers
+                .iter()
+                .any(|a| (a.status, &a.body) != (first.status, &first.body))
+        {
+            self.shared.fail(format!(
+                "{copies} concurrent copies of notification {} got {fresh} answers not marked \
+                 as replays, or different answers: {shown:?}",
+                intent.key
+            ));
+        }
+        self.record(intent, first);
     }
 
     fn new_reference_replay(&mut self) -> Arc<Intent> {
@@ -1132,6 +1359,8 @@ impl Client {
                         Fate::Open
                     },
                     refunded: 0,
+                    authorization: body["authorization"].as_str().unwrap_or_default().into(),
+                    disputed: 0,
                 });
             }
             (Kind::Capture { charge, .. }, 200) => {
@@ -1155,6 +1384,11 @@ impl Client {
             (Kind::Refund { charge, .. }, 201) => {
                 if let Some(i) = position(&self.owned, charge) {
                     self.owned[i].refunded += body["amount"].as_i64().unwrap_or(0);
+                }
+            }
+            (Kind::Chargeback { charge, amount, .. }, 200) => {
+                if let Some(i) = position(&self.owned, charge) {
+                    self.owned[i].disputed += amount;
                 }
             }
             _ => {}
@@ -1203,6 +1437,12 @@ fn server_args() -> Vec<String> {
         ACQUIRER_LATENCY,
         "--authorization-ttl",
         &format!("{AUTHORIZATION_TTL_MS}ms"),
+        "--webhook-retry-base",
+        WEBHOOK_RETRY_BASE,
+        "--webhook-timeout",
+        WEBHOOK_TIMEOUT,
+        "--webhook-attempts-max",
+        WEBHOOK_ATTEMPTS_MAX,
     ]
     .map(str::to_string)
     .to_vec()
@@ -1256,6 +1496,382 @@ fn create_accounts(ctx: &Ctx, addr: SocketAddr, keys: &[String]) {
     }
 }
 
+/// A POST at setup that must answer 201; its body.
+fn create(ctx: &Ctx, addr: SocketAddr, key: &str, path: &str, body: Value) -> Value {
+    let auth = format!("Bearer {key}");
+    let r = support::send(
+        addr,
+        "POST",
+        path,
+        &[("Authorization", &auth)],
+        body.to_string().as_bytes(),
+    )
+    .unwrap_or_else(|e| ctx.fail(&[format!("POST {path}: {e}")]));
+    if r.status != 201 {
+        ctx.fail(&[format!(
+            "POST {path} {body}: {} {}",
+            r.status,
+            String::from_utf8_lossy(&r.body)
+        )]);
+    }
+    r.json()
+}
+
+/// Before any other write, so that every event is subscribed: one webhook
+/// endpoint per consumer (`enabled_events: ["*"]`) at the receiver's
+/// `/hooks/{consumer}`, whose secret the receiver checks every delivery
+/// against; then one notification source per consumer.
+fn create_endpoints_and_sources(
+    ctx: &Ctx,
+    addr: SocketAddr,
+    keys: &[String],
+    receiver: &Receiver,
+) -> Vec<Source> {
+    keys.iter()
+        .enumerate()
+        .map(|(i, key)| {
+            let path = format!("/hooks/{i}");
+            let url = format!("http://{}{path}", receiver.addr);
+            let endpoint = create(
+                ctx,
+                addr,
+                key,
+                "/v1/webhook_endpoints",
+                json!({"url": url, "enabled_events": ["*"]}),
+            );
+            let secret = endpoint["secret"].as_str().unwrap_or_default();
+            let verifier = standardwebhooks::Webhook::new(secret).unwrap_or_else(|e| {
+                ctx.fail(&[format!("endpoint secret {secret:?}: {e}: {endpoint}")])
+            });
+            receiver.listen(path, verifier);
+            let source = create(
+                ctx,
+                addr,
+                key,
+                "/v1/notification_sources",
+                json!({"name": format!("torture-{i}")}),
+            );
+            match (source["id"].as_str(), source["secret"].as_str()) {
+                (Some(id), Some(secret)) if secret.starts_with("whsec_") => Source {
+                    id: id.to_string(),
+                    secret: secret.to_string(),
+                },
+                _ => ctx.fail(&[format!("notification source: {source}")]),
+            }
+        })
+        .collect()
+}
+
+/// The receiver's view of one `webhook-id` (an event id).
+#[derive(Debug, Clone)]
+struct Arrival {
+    /// Where it was posted (one endpoint per consumer: `/hooks/{consumer}`).
+    path: String,
+    /// The body of its first attempt; every later attempt must carry the
+    /// same bytes.
+    body: Vec<u8>,
+    attempts: u64,
+    /// Answered 200 at least once.
+    accepted: bool,
+}
+
+#[derive(Default)]
+struct ReceiverStats {
+    attempts: AtomicU64,
+    refused_500: AtomicU64,
+    cut: AtomicU64,
+    /// Attempts of an id the receiver had answered 200 already (the server
+    /// was killed before it recorded the success).
+    redelivered: AtomicU64,
+}
+
+/// A webhook receiver in the test process: HTTP/1.1 with keep-alive on a
+/// std `TcpListener`, a thread per connection. It checks every attempt's
+/// signature with the Standard Webhooks reference crate and its endpoint's
+/// secret, keys arrivals by `webhook-id` (which must be the body's event
+/// id), fails the run if an id comes back with other bytes or at another
+/// endpoint, and refuses a seeded `RECEIVER_FAULT_PERCENT` of attempts
+/// (with a 500, or by closing the connection unanswered) so that
+/// deliveries are retried, also across kills.
+struct Receiver {
+    addr: SocketAddr,
+    /// Endpoint path → its verifier.
+    endpoints: RwLock<HashMap<String, Arc<standardwebhooks::Webhook>>>,
+    arrivals: Mutex<HashMap<String, Arrival>>,
+    rng: Mutex<Rng>,
+    problems: Mutex<Vec<String>>,
+    stats: ReceiverStats,
+    stop: AtomicBool,
+}
+
+/// One request as the receiver read it.
+struct Incoming {
+    path: String,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    close: bool,
+}
+
+impl Incoming {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// What the receiver does with an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    Answer(u16),
+    /// Close the connection without an answer.
+    Cut,
+}
+
+impl Receiver {
+    fn start(seed: u64) -> Arc<Receiver> {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the webhook receiver");
+        let receiver = Arc::new(Receiver {
+            addr: listener.local_addr().expect("receiver address"),
+            endpoints: RwLock::new(HashMap::new()),
+            arrivals: Mutex::new(HashMap::new()),
+            rng: Mutex::new(Rng::new(seed ^ 0x5EED_0F4E_C31B_E5A7)),
+            problems: Mutex::new(Vec::new()),
+            stats: ReceiverStats::default(),
+            stop: AtomicBool::new(false),
+        });
+        let r = Arc::clone(&receiver);
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                if r.stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                if let Ok(stream) = stream {
+                    let r = Arc::clone(&r);
+                    std::thread::spawn(move || r.serve(stream));
+                }
+            }
+        });
+        receiver
+    }
+
+    fn listen(&self, path: String, verifier: standardwebhooks::Webhook) {
+        self.endpoints
+            .write()
+            .unwrap()
+            .insert(path, Arc::new(verifier));
+    }
+
+    /// Stops accepting (the accept loop wakes on one last connection).
+    fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(self.addr);
+    }
+
+    fn problem(&self, what: String) {
+        self.problems
+            .lock()
+            .unwrap()
+            .push(format!("webhook receiver: {what}"));
+    }
+
+    fn take_problems(&self) -> Vec<String> {
+        std::mem::take(&mut *self.problems.lock().unwrap())
+    }
+
+    fn arrivals(&self) -> HashMap<String, Arrival> {
+        self.arrivals.lock().unwrap().clone()
+    }
+
+    /// One connection: requests until the peer closes, asks to, or is cut.
+    fn serve(&self, mut stream: TcpStream) {
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+        let mut buffered = Vec::new();
+        while !self.stop.load(Ordering::SeqCst) {
+            let Some(request) = read_request(&mut stream, &mut buffered) else {
+                return;
+            };
+            let status = match self.receive(&request) {
+                Verdict::Cut => return,
+                Verdict::Answer(status) => status,
+            };
+            let connection = if request.close { "close" } else { "keep-alive" };
+            let reply = format!(
+                "HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: {connection}\r\n\r\n"
+            );
+            if stream.write_all(reply.as_bytes()).is_err() || request.close {
+                return;
+            }
+        }
+    }
+
+    fn receive(&self, request: &Incoming) -> Verdict {
+        self.stats.attempts.fetch_add(1, Ordering::Relaxed);
+        let id = request.header("webhook-id").unwrap_or_default().to_string();
+        let at = format!("delivery of {id:?} to {}", request.path);
+        let verifier = self.endpoints.read().unwrap().get(&request.path).cloned();
+        let Some(verifier) = verifier else {
+            self.problem(format!("{at}, which is no endpoint's"));
+            return Verdict::Answer(404);
+        };
+        let mut headers = hyper::HeaderMap::new();
+        for (name, value) in &request.headers {
+            if let (Ok(n), Ok(v)) = (
+                hyper::header::HeaderName::from_bytes(name.as_bytes()),
+                hyper::header::HeaderValue::from_str(value),
+            ) {
+                headers.append(n, v);
+            }
+        }
+        if let Err(e) = verifier.verify(&request.body, &headers) {
+            self.problem(format!("{at}: signature refused: {e}"));
+            return Verdict::Answer(400);
+        }
+        let event: Value = serde_json::from_slice(&request.body).unwrap_or(Value::Null);
+        if event["id"] != json!(id) || request.header("content-type") != Some("application/json") {
+            self.problem(format!(
+                "{at}: content-type {:?}, body {}",
+                request.header("content-type"),
+                String::from_utf8_lossy(&request.body)
+            ));
+        }
+        let roll = self.rng.lock().unwrap().below(100);
+        let verdict = if roll < RECEIVER_FAULT_PERCENT / 2 {
+            self.stats.refused_500.fetch_add(1, Ordering::Relaxed);
+            Verdict::Answer(500)
+        } else if roll < RECEIVER_FAULT_PERCENT {
+            self.stats.cut.fetch_add(1, Ordering::Relaxed);
+            Verdict::Cut
+        } else {
+            Verdict::Answer(200)
+        };
+        let accepted = verdict == Verdict::Answer(200);
+        match self.arrivals.lock().unwrap().entry(id.clone()) {
+            Entry::Vacant(new) => {
+                new.insert(Arrival {
+                    path: request.path.clone(),
+                    body: request.body.clone(),
+                    attempts: 1,
+                    accepted,
+                });
+            }
+            Entry::Occupied(mut seen) => {
+                let seen = seen.get_mut();
+                if seen.body != request.body || seen.path != request.path {
+                    self.problem(format!(
+                        "{at} differs from its first attempt, to {}: {} then {}",
+                        seen.path,
+                        String::from_utf8_lossy(&seen.body),
+                        String::from_utf8_lossy(&request.body)
+                    ));
+                }
+                if seen.accepted {
+                    self.stats.redelivered.fetch_add(1, Ordering::Relaxed);
+                }
+                seen.attempts += 1;
+                seen.accepted |= accepted;
+            }
+        }
+        verdict
+    }
+}
+
+/// Stops the receiver when its database's run ends, however it ends.
+struct StopReceiver(Arc<Receiver>);
+
+impl Drop for StopReceiver {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
+/// Reads once more into `buffered`; `None` at the end of the stream.
+fn read_more(stream: &mut TcpStream, buffered: &mut Vec<u8>) -> Option<()> {
+    let mut chunk = [0u8; 16 * 1024];
+    match stream.read(&mut chunk) {
+        Ok(0) | Err(_) => None,
+        Ok(n) => {
+            buffered.extend_from_slice(&chunk[..n]);
+            Some(())
+        }
+    }
+}
+
+/// The end of the next line (`\r\n`) in `buffered`, reading as needed.
+fn line_end(stream: &mut TcpStream, buffered: &mut Vec<u8>) -> Option<usize> {
+    loop {
+        if let Some(i) = buffered.windows(2).position(|w| w == b"\r\n") {
+            return Some(i);
+        }
+        read_more(stream, buffered)?;
+    }
+}
+
+/// The next request on a connection (`Content-Length` or chunked body);
+/// what follows it stays in `buffered`. `None` if the peer closed, timed
+/// out or sent something else.
+fn read_request(stream: &mut TcpStream, buffered: &mut Vec<u8>) -> Option<Incoming> {
+    let head_end = loop {
+        if let Some(i) = buffered.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i;
+        }
+        read_more(stream, buffered)?;
+    };
+    let head = String::from_utf8_lossy(&buffered[..head_end]).into_owned();
+    buffered.drain(..head_end + 4);
+    let mut lines = head.split("\r\n");
+    let path = lines.next()?.split(' ').nth(1)?.to_string();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let mut request = Incoming {
+        path,
+        headers,
+        body: Vec::new(),
+        close: false,
+    };
+    request.close = request
+        .header("connection")
+        .is_some_and(|v| v.eq_ignore_ascii_case("close"));
+    if request
+        .header("transfer-encoding")
+        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
+    {
+        loop {
+            let end = line_end(stream, buffered)?;
+            let size_line = String::from_utf8_lossy(&buffered[..end]).into_owned();
+            let size = usize::from_str_radix(size_line.split(';').next()?.trim(), 16).ok()?;
+            buffered.drain(..end + 2);
+            if size == 0 {
+                // Trailers, up to an empty line.
+                loop {
+                    let end = line_end(stream, buffered)?;
+                    buffered.drain(..end + 2);
+                    if end == 0 {
+                        return Some(request);
+                    }
+                }
+            }
+            while buffered.len() < size + 2 {
+                read_more(stream, buffered)?;
+            }
+            request.body.extend_from_slice(&buffered[..size]);
+            buffered.drain(..size + 2);
+        }
+    }
+    let len: usize = match request.header("content-length") {
+        Some(v) => v.parse().ok()?,
+        None => 0,
+    };
+    while buffered.len() < len {
+        read_more(stream, buffered)?;
+    }
+    request.body = buffered.drain(..len).collect();
+    Some(request)
+}
+
 /// SIGKILL, and wait until the process is gone (the file is then quiescent).
 /// Returns the server's stderr lines that report a panic.
 fn kill(shared: &Shared, mut server: ChildServer) -> Vec<String> {
@@ -1293,6 +1909,10 @@ struct Snapshot {
     keys_by_op: HashMap<String, (i64, String)>,
     /// (consumer id, account public id) → balance
     balances: HashMap<(i64, String), i64>,
+    /// (source public id, webhook-id) → notification
+    notifications: HashMap<(String, String), NotificationRow>,
+    /// public id → dispute
+    disputes: HashMap<String, DisputeRow>,
 }
 
 impl Snapshot {
@@ -1318,6 +1938,7 @@ struct ChargeRow {
     authorization_id: String,
     status: String,
     amount_captured: i64,
+    amount_disputed: i64,
     cancellation_reason: Option<String>,
     claimed_by: Option<String>,
 }
@@ -1337,6 +1958,23 @@ struct RefundRow {
     charge: String,
     amount: i64,
     key: String,
+}
+
+struct NotificationRow {
+    consumer_id: i64,
+    status: String,
+    response_status: u16,
+    response_body: Vec<u8>,
+    /// The public ids of the disputes it produced.
+    disputes: Vec<String>,
+}
+
+struct DisputeRow {
+    charge: String,
+    amount: i64,
+    notification: String,
+    /// Its entries: (account public id, amount), by entry id.
+    entries: Vec<(String, i64)>,
 }
 
 struct KeyRow {
@@ -1380,11 +2018,13 @@ fn read_snapshot(conn: &Connection) -> rusqlite::Result<Snapshot> {
         keys: HashMap::new(),
         keys_by_op: HashMap::new(),
         balances: HashMap::new(),
+        notifications: HashMap::new(),
+        disputes: HashMap::new(),
     };
     let mut stmt = conn.prepare(
         "SELECT c.public_id, c.consumer_id, c.amount, c.currency, s.public_id, d.public_id, \
          c.reference, c.idempotency_key, c.op_id, c.authorization_id, c.status, \
-         c.amount_captured, c.cancellation_reason, c.claimed_by FROM charges c \
+         c.amount_captured, c.cancellation_reason, c.claimed_by, c.amount_disputed FROM charges c \
          JOIN accounts s ON s.id = c.source_id JOIN accounts d ON d.id = c.destination_id",
     )?;
     let mut rows = stmt.query([])?;
@@ -1404,6 +2044,7 @@ fn read_snapshot(conn: &Connection) -> rusqlite::Result<Snapshot> {
             amount_captured: r.get(11)?,
             cancellation_reason: r.get(12)?,
             claimed_by: r.get(13)?,
+            amount_disputed: r.get(14)?,
         };
         let by_key = (row.consumer_id, row.key.clone());
         s.charges_by_key.entry(by_key).or_default().push(id.clone());
@@ -1459,6 +2100,59 @@ fn read_snapshot(conn: &Connection) -> rusqlite::Result<Snapshot> {
     while let Some(r) = rows.next()? {
         s.balances.insert((r.get(0)?, r.get(1)?), r.get(2)?);
     }
+    let mut stmt = conn.prepare(
+        "SELECT d.public_id, c.public_id, d.amount, n.public_id, s.public_id, n.webhook_id \
+         FROM disputes d JOIN charges c ON c.id = d.charge_id \
+         LEFT JOIN notifications n ON n.id = d.notification_id \
+         LEFT JOIN notification_sources s ON s.id = n.source_id ORDER BY d.id",
+    )?;
+    let mut rows = stmt.query([])?;
+    let mut of_notification: HashMap<(String, String), Vec<String>> = HashMap::new();
+    while let Some(r) = rows.next()? {
+        let id: String = r.get(0)?;
+        let at: (Option<String>, Option<String>) = (r.get(4)?, r.get(5)?);
+        if let (Some(source), Some(webhook_id)) = at {
+            of_notification
+                .entry((source, webhook_id))
+                .or_default()
+                .push(id.clone());
+        }
+        let row = DisputeRow {
+            charge: r.get(1)?,
+            amount: r.get(2)?,
+            notification: r.get::<_, Option<String>>(3)?.unwrap_or_default(),
+            entries: Vec::new(),
+        };
+        s.disputes.insert(id, row);
+    }
+    let mut stmt = conn.prepare(
+        "SELECT d.public_id, a.public_id, e.amount FROM entries e \
+         JOIN disputes d ON d.id = e.dispute_id JOIN accounts a ON a.id = e.account_id \
+         ORDER BY e.id",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(r) = rows.next()? {
+        let id: String = r.get(0)?;
+        if let Some(d) = s.disputes.get_mut(&id) {
+            d.entries.push((r.get(1)?, r.get(2)?));
+        }
+    }
+    let mut stmt = conn.prepare(
+        "SELECT s.public_id, n.webhook_id, n.consumer_id, n.status, n.response_status, \
+         n.response_body FROM notifications n JOIN notification_sources s ON s.id = n.source_id",
+    )?;
+    let mut rows = stmt.query([])?;
+    while let Some(r) = rows.next()? {
+        let at: (String, String) = (r.get(0)?, r.get(1)?);
+        let row = NotificationRow {
+            consumer_id: r.get(2)?,
+            status: r.get(3)?,
+            response_status: r.get(4)?,
+            response_body: r.get(5)?,
+            disputes: of_notification.remove(&at).unwrap_or_default(),
+        };
+        s.notifications.insert(at, row);
+    }
     Ok(s)
 }
 
@@ -1475,10 +2169,18 @@ const SQL_CHECKS: &[(&str, &str)] = &[
          || coalesce(sum(e.amount), 0) FROM accounts a LEFT JOIN entries e ON e.account_id = a.id \
          GROUP BY a.id HAVING a.balance <> coalesce(sum(e.amount), 0)",
     ),
+    // Only a chargeback may take a merchant below zero (forced by the
+    // network); every other debit checks what is available. So a merchant's
+    // balance plus what chargebacks took from it is never below zero, nor
+    // (holds) below what it holds.
     (
-        "conservation: no account without allow_negative is negative",
-        "SELECT 'account ' || public_id || ' is at ' || balance FROM accounts \
-         WHERE allow_negative = 0 AND balance < 0",
+        "conservation: no account without allow_negative is below zero by more than the \
+         chargebacks forced on it",
+        "SELECT 'account ' || public_id || ' is at ' || balance || ' (chargebacks took ' \
+         || forced || ')' FROM (SELECT a.public_id, a.balance, a.allow_negative, \
+           coalesce((SELECT -sum(e.amount) FROM entries e WHERE e.account_id = a.id \
+             AND e.dispute_id IS NOT NULL AND e.amount < 0), 0) AS forced FROM accounts a) \
+         WHERE allow_negative = 0 AND balance + forced < 0",
     ),
     (
         "holds: held and pending_credit are what the open holds on an account add up to",
@@ -1492,26 +2194,65 @@ const SQL_CHECKS: &[(&str, &str)] = &[
          WHERE held <> want_held OR pending_credit <> want_pending",
     ),
     (
-        "holds: no merchant has less available than 0",
+        "holds: no merchant has less available than 0, but for what chargebacks took",
         "SELECT 'account ' || public_id || ' has ' || (balance - held) || ' available (balance ' \
-         || balance || ', held ' || held || ')' FROM accounts \
-         WHERE allow_negative = 0 AND balance - held < 0",
+         || balance || ', held ' || held || ', chargebacks took ' || forced || ')' FROM \
+         (SELECT a.public_id, a.balance, a.held, a.allow_negative, \
+           coalesce((SELECT -sum(e.amount) FROM entries e WHERE e.account_id = a.id \
+             AND e.dispute_id IS NOT NULL AND e.amount < 0), 0) AS forced FROM accounts a) \
+         WHERE allow_negative = 0 AND balance - held + forced < 0",
     ),
     (
         "holds: a held or canceled charge has no entries, a captured one a debit and a credit \
-         of amount_captured",
+         of amount_captured (besides its refunds' and disputes')",
         "SELECT 'charge ' || c.public_id || ' (' || c.status || ', captured ' \
          || c.amount_captured || ') has entries ' || coalesce((SELECT group_concat(e.amount, ' ') \
-         FROM entries e WHERE e.charge_id = c.id AND e.refund_id IS NULL), 'none') \
+         FROM entries e WHERE e.charge_id = c.id AND e.refund_id IS NULL \
+           AND e.dispute_id IS NULL), 'none') \
          FROM charges c WHERE CASE WHEN c.status = 'succeeded' THEN \
-           (SELECT count(*) FROM entries e WHERE e.charge_id = c.id AND e.refund_id IS NULL) <> 2 \
+           (SELECT count(*) FROM entries e WHERE e.charge_id = c.id AND e.refund_id IS NULL \
+             AND e.dispute_id IS NULL) <> 2 \
            OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id \
-             AND e.refund_id IS NULL AND e.account_id = c.source_id \
+             AND e.refund_id IS NULL AND e.dispute_id IS NULL AND e.account_id = c.source_id \
              AND e.amount = -c.amount_captured) \
            OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id \
-             AND e.refund_id IS NULL AND e.account_id = c.destination_id \
-             AND e.amount = c.amount_captured) \
+             AND e.refund_id IS NULL AND e.dispute_id IS NULL \
+             AND e.account_id = c.destination_id AND e.amount = c.amount_captured) \
          ELSE EXISTS (SELECT 1 FROM entries e WHERE e.charge_id = c.id) END",
+    ),
+    (
+        "disputes: a dispute moved its amount once, from its charge's destination to its \
+         source",
+        "SELECT 'dispute ' || d.public_id || ' of ' || d.amount || ' on charge ' || c.public_id \
+         || ' has entries ' || coalesce((SELECT group_concat(e.amount, ' ') FROM entries e \
+           WHERE e.dispute_id = d.id), 'none') FROM disputes d JOIN charges c ON c.id = d.charge_id \
+         WHERE (SELECT count(*) FROM entries e WHERE e.dispute_id = d.id) <> 2 \
+         OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.dispute_id = d.id AND e.charge_id = c.id \
+           AND e.account_id = c.destination_id AND e.amount = -d.amount) \
+         OR NOT EXISTS (SELECT 1 FROM entries e WHERE e.dispute_id = d.id AND e.charge_id = c.id \
+           AND e.account_id = c.source_id AND e.amount = d.amount) \
+         OR c.status <> 'succeeded' OR d.consumer_id <> c.consumer_id",
+    ),
+    (
+        "disputes: amount_disputed is what the disputes add up to, and refunds and disputes \
+         together stay within the captured money",
+        "SELECT 'charge ' || c.public_id || ' captured ' || c.amount_captured || ', refunded ' \
+         || c.amount_refunded || ', amount_disputed ' || c.amount_disputed || ', disputes ' \
+         || coalesce((SELECT sum(d.amount) FROM disputes d WHERE d.charge_id = c.id), 0) \
+         FROM charges c WHERE c.amount_disputed \
+           <> coalesce((SELECT sum(d.amount) FROM disputes d WHERE d.charge_id = c.id), 0) \
+         OR c.amount_refunded + c.amount_disputed > c.amount_captured",
+    ),
+    (
+        "disputes: a notification is applied if and only if it has one dispute, of the charge \
+         its authorization names",
+        "SELECT 'notification ' || n.public_id || ' (' || n.webhook_id || ') is ' || n.status \
+         || ' with ' || (SELECT count(*) FROM disputes d WHERE d.notification_id = n.id) \
+         || ' dispute(s)' FROM notifications n WHERE (n.status = 'applied') \
+           <> ((SELECT count(*) FROM disputes d WHERE d.notification_id = n.id) = 1) \
+         OR EXISTS (SELECT 1 FROM disputes d JOIN charges c ON c.id = d.charge_id \
+           WHERE d.notification_id = n.id AND (c.authorization_id IS NOT n.authorization \
+             OR c.consumer_id <> n.consumer_id))",
     ),
     (
         "refunds: only captured money is refunded, and amount_refunded is what the refunds \
@@ -1662,6 +2403,33 @@ fn record_problems(s: &Snapshot, records: &[Record]) -> Vec<String> {
             "client {} {} key {}",
             intent.client, intent.path, intent.key
         );
+        if let Kind::Chargeback { source, .. } = &intent.kind {
+            // The notification row is its idempotency record.
+            let at = (source.clone(), intent.key.clone());
+            match s.notifications.get(&at) {
+                None => problems.push(format!(
+                    "lost: {what} answered {} has no notification row",
+                    record.first.text()
+                )),
+                Some(n)
+                    if n.response_status != record.first.status
+                        || n.response_body != record.first.body
+                        || n.consumer_id != consumer_id =>
+                {
+                    problems.push(format!(
+                        "{what}: client saw {} but the notification row stores {} {}",
+                        record.first.text(),
+                        n.response_status,
+                        String::from_utf8_lossy(&n.response_body)
+                    ))
+                }
+                Some(_) => {}
+            }
+            if let Err(p) = effect_problem(s, consumer_id, record) {
+                problems.push(format!("{what}: {p}"));
+            }
+            continue;
+        }
         match s.keys.get(&at) {
             None => problems.push(format!(
                 "lost: {what} answered {} has no key row",
@@ -1808,6 +2576,62 @@ fn effect_problem(s: &Snapshot, consumer_id: i64, record: &Record) -> Result<(),
                 return Err(format!(
                     "answered {status} but charge {charge} is {} in the database",
                     c.state()
+                ));
+            }
+        }
+        (
+            Kind::Chargeback {
+                charge,
+                source,
+                amount,
+                ..
+            },
+            status,
+        ) => {
+            let n = s
+                .notifications
+                .get(&(source.clone(), intent.key.clone()))
+                .ok_or("lost: no notification row")?;
+            let c = s
+                .charges
+                .get(charge)
+                .ok_or(format!("lost: charge {charge} of the chargeback"))?;
+            let disputes: Vec<(&String, Option<&DisputeRow>)> = n
+                .disputes
+                .iter()
+                .map(|id| (id, s.disputes.get(id)))
+                .collect();
+            // Applied: one dispute of its amount on its charge, and the
+            // money moved once, from the destination back to the source.
+            let once = vec![
+                (c.destination.clone(), -amount),
+                (c.source.clone(), *amount),
+            ];
+            let ok = match (status, &disputes[..]) {
+                (200, [(_, Some(d))]) => {
+                    n.status == "applied"
+                        && d.charge == *charge
+                        && d.amount == *amount
+                        && d.entries == once
+                }
+                (200, _) => false,
+                _ => n.status != "applied" && disputes.is_empty(),
+            };
+            if !ok {
+                let shown: Vec<String> = disputes
+                    .iter()
+                    .map(|(id, d)| match d {
+                        Some(d) => format!(
+                            "{id} of {} on {} with entries {:?}",
+                            d.amount, d.charge, d.entries
+                        ),
+                        None => format!("{id} (unreadable)"),
+                    })
+                    .collect();
+                return Err(format!(
+                    "answered {status} for {amount} of {charge}, but its notification is {} \
+                     with disputes {shown:?} (the money moved once would be {once:?})",
+                    n.status
                 ));
             }
         }
@@ -2103,6 +2927,67 @@ fn model_problems(s: &Snapshot, records: &[Record]) -> Vec<String> {
             refunds.insert(s.refunds.get_key_value(&id).map_or("", |(k, _)| k.as_str()));
         }
     }
+    // Chargebacks answered 200 moved their amount back, from the
+    // destination to the source, once; one answered 422 moved nothing.
+    let mut disputed: HashMap<&str, i64> = HashMap::new();
+    let mut disputes: HashSet<&str> = HashSet::new();
+    let mut notifications: HashSet<(&str, &str)> = HashSet::new();
+    for r in records {
+        let Kind::Chargeback {
+            charge,
+            source: from,
+            amount,
+            ..
+        } = &r.intent.kind
+        else {
+            continue;
+        };
+        notifications.insert((from.as_str(), r.intent.key.as_str()));
+        if r.first.status != 200 {
+            continue;
+        }
+        let Some(&(consumer_id, source, destination)) = charge_accounts.get(charge) else {
+            problems.push(format!(
+                "chargeback {} of {charge}, which no answer created",
+                r.intent.key
+            ));
+            continue;
+        };
+        *expected
+            .entry((consumer_id, destination.to_string()))
+            .or_default() -= amount;
+        *expected
+            .entry((consumer_id, source.to_string()))
+            .or_default() += amount;
+        *disputed.entry(charge.as_str()).or_default() += amount;
+        if let Some(n) = s.notifications.get(&(from.clone(), r.intent.key.clone())) {
+            disputes.extend(n.disputes.iter().map(String::as_str));
+        }
+    }
+    for (id, c) in &s.charges {
+        let want = disputed.get(id.as_str()).copied().unwrap_or(0);
+        if c.amount_disputed != want {
+            problems.push(format!(
+                "charge {id} amount_disputed {}, the chargebacks answered 200 add up to {want}",
+                c.amount_disputed
+            ));
+        }
+    }
+    for (id, d) in &s.disputes {
+        if !disputes.contains(id.as_str()) {
+            problems.push(format!(
+                "dispute {id} ({} of {}, notification {}) answered to nobody",
+                d.amount, d.charge, d.notification
+            ));
+        }
+    }
+    for (source, webhook_id) in s.notifications.keys() {
+        if !notifications.contains(&(source.as_str(), webhook_id.as_str())) {
+            problems.push(format!(
+                "notification {webhook_id} of {source} stored, but nobody sent it"
+            ));
+        }
+    }
     for (id, c) in &s.charges {
         if !charges.contains(id.as_str()) {
             problems.push(format!(
@@ -2205,6 +3090,109 @@ fn hold_problems(s: &Snapshot, records: &[Record]) -> Vec<String> {
         }
     }
     problems
+}
+
+/// An event as stored: public id, type, body, and its deliveries (endpoint
+/// url, status).
+type StoredEvent = (String, String, Vec<u8>, Vec<(String, String)>);
+
+/// At the end, with every delivery settled: every event (one per state
+/// change, which `idem verify` checks) has one delivery, to its consumer's
+/// endpoint, `succeeded`, and arrived there, byte-identical to
+/// `events.body`; and the receiver accepted no event the database does not
+/// have. So the ids received are exactly the events: none lost, none
+/// invented.
+fn delivery_problems(db: &Path, arrivals: &HashMap<String, Arrival>) -> Vec<String> {
+    let mut problems = Vec::new();
+    let read = || -> rusqlite::Result<Vec<StoredEvent>> {
+        let conn = open_read_only(db)?;
+        let mut stmt = conn.prepare(
+            "SELECT e.public_id, e.type, e.body, \
+             (SELECT json_group_array(json_array(w.url, d.status)) FROM deliveries d \
+               JOIN webhook_endpoints w ON w.id = d.endpoint_id WHERE d.event_id = e.id) \
+             FROM events e ORDER BY e.id",
+        )?;
+        let rows = stmt
+            .query_map([], |r| {
+                let deliveries: String = r.get(3)?;
+                let deliveries: Vec<(String, String)> =
+                    serde_json::from_str(&deliveries).unwrap_or_default();
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, deliveries))
+            })?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(rows)
+    };
+    let events = match read() {
+        Ok(events) => events,
+        Err(e) => return vec![format!("deliveries: read db: {e}")],
+    };
+    let mut ids: HashSet<&str> = HashSet::new();
+    for (id, kind, body, deliveries) in &events {
+        ids.insert(id);
+        let arrival = arrivals.get(id).filter(|a| a.accepted);
+        match arrival {
+            None => problems.push(format!(
+                "lost: event {id} ({kind}) never arrived at the receiver (deliveries: \
+                 {deliveries:?})"
+            )),
+            Some(a) if a.body != *body => problems.push(format!(
+                "event {id} ({kind}) in the database differs from the bytes the receiver got: \
+                 {} / {}",
+                String::from_utf8_lossy(body),
+                String::from_utf8_lossy(&a.body)
+            )),
+            Some(_) => {}
+        }
+        if deliveries.len() != 1 {
+            problems.push(format!(
+                "event {id} ({kind}) has deliveries {deliveries:?}, not one to its consumer's \
+                 endpoint"
+            ));
+        }
+        for (url, status) in deliveries {
+            let got_there = arrival.is_some_and(|a| url.ends_with(&a.path));
+            if status != "succeeded" || !got_there {
+                problems.push(format!(
+                    "the delivery of event {id} ({kind}) to {url} is {status}, but the receiver \
+                     never got it there (it got it at {:?})",
+                    arrival.map(|a| &a.path)
+                ));
+            }
+        }
+    }
+    let mut invented: Vec<&String> = arrivals
+        .iter()
+        .filter(|(id, a)| a.accepted && !ids.contains(id.as_str()))
+        .map(|(id, _)| id)
+        .collect();
+    invented.sort();
+    for id in invented {
+        problems.push(format!(
+            "event {id} arrived at the receiver but is not in the database"
+        ));
+    }
+    let received = arrivals.values().filter(|a| a.accepted).count();
+    if received != events.len() {
+        problems.push(format!(
+            "the receiver accepted {received} distinct event ids, the database has {} events",
+            events.len()
+        ));
+    }
+    problems
+}
+
+fn pending_deliveries(db: &Path) -> rusqlite::Result<Vec<String>> {
+    let conn = open_read_only(db)?;
+    let pending = conn
+        .prepare(
+            "SELECT e.public_id || ' (' || e.type || ') attempts ' || d.attempts || ' last ' \
+             || coalesce(d.last_status, d.last_error, 'none') || ' next at ' \
+             || d.next_attempt_at FROM deliveries d JOIN events e ON e.id = d.event_id \
+             WHERE d.status = 'pending'",
+        )?
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(pending)
 }
 
 fn in_progress_keys(db: &Path) -> rusqlite::Result<Vec<String>> {
@@ -2394,6 +3382,18 @@ struct Figures {
     refunds_in_db: u64,
     /// Calls that made something at the acquirer, by kind (voids by why).
     acquirer_made: BTreeMap<&'static str, u64>,
+    /// Notifications sent as concurrent copies of one id, and the copies.
+    copied_notifications: u64,
+    copies: u64,
+    disputes_in_db: u64,
+    /// Events in the databases, each delivered; the receiver's attempts,
+    /// those it refused with a 500 or cut, and those of an id it had
+    /// accepted already.
+    events: u64,
+    webhook_attempts: u64,
+    webhook_refused_500: u64,
+    webhook_cut: u64,
+    webhook_redelivered: u64,
 }
 
 impl Figures {
@@ -2425,6 +3425,14 @@ impl Figures {
             (&mut self.holds_canceled, o.holds_canceled),
             (&mut self.holds_expired, o.holds_expired),
             (&mut self.refunds_in_db, o.refunds_in_db),
+            (&mut self.copied_notifications, o.copied_notifications),
+            (&mut self.copies, o.copies),
+            (&mut self.disputes_in_db, o.disputes_in_db),
+            (&mut self.events, o.events),
+            (&mut self.webhook_attempts, o.webhook_attempts),
+            (&mut self.webhook_refused_500, o.webhook_refused_500),
+            (&mut self.webhook_cut, o.webhook_cut),
+            (&mut self.webhook_redelivered, o.webhook_redelivered),
         ];
         for (mine, theirs) in pairs {
             *mine += theirs;
@@ -2492,16 +3500,30 @@ impl std::fmt::Display for Figures {
             .iter()
             .map(|(k, n)| format!("{n} {k}"))
             .collect();
-        write!(
+        writeln!(
             f,
-            "  in the databases: {} charges ({} holds captured, {} canceled, {} expired) and {} \
-             refunds; the acquirer made {}",
+            "  in the databases: {} charges ({} holds captured, {} canceled, {} expired), {} \
+             refunds and {} disputes; the acquirer made {}",
             self.charges_in_db,
             self.holds_captured,
             self.holds_canceled,
             self.holds_expired,
             self.refunds_in_db,
+            self.disputes_in_db,
             made.join(", ")
+        )?;
+        write!(
+            f,
+            "  {} events, each delivered once to the receiver at least: {} attempts ({} \
+             refused with 500, {} cut unanswered, {} of an id already accepted); {} \
+             notifications sent as {} concurrent copies",
+            self.events,
+            self.webhook_attempts,
+            self.webhook_refused_500,
+            self.webhook_cut,
+            self.webhook_redelivered,
+            self.copied_notifications,
+            self.copies,
         )
     }
 }
@@ -2556,11 +3578,18 @@ fn sigkill_at_random_moments_loses_nothing_and_moves_money_once() {
 }
 
 /// The end of a database, on the quiescent file: every check after a kill,
-/// then the answers against the whole ledger and every hold settled.
-fn check_end(ctx: &Ctx, db: &Path, records: &[Record]) -> (Snapshot, Vec<Call>) {
+/// then the answers against the whole ledger, every hold settled, and every
+/// event delivered (`arrivals`: what the webhook receiver accepted).
+fn check_end(
+    ctx: &Ctx,
+    db: &Path,
+    records: &[Record],
+    arrivals: &HashMap<String, Arrival>,
+) -> (Snapshot, Vec<Call>) {
     let (mut problems, snapshot, calls) = quiescent_problems(ctx, db, records);
     problems.extend(model_problems(&snapshot, records));
     problems.extend(hold_problems(&snapshot, records));
+    problems.extend(delivery_problems(db, arrivals));
     ctx.check(problems);
     (snapshot, calls)
 }
@@ -2573,9 +3602,17 @@ fn run_database(seed: u64, kills: u32) -> Figures {
     let keys: Vec<String> = (0..CONSUMERS)
         .map(|i| support::create_consumer_cli(&db, &format!("torture-{i}")))
         .collect();
+    let ctx = |at: String| Ctx { seed, kills, at };
+    let receiver = Receiver::start(seed);
+    let _stop_receiver = StopReceiver(Arc::clone(&receiver));
+    let mut server = start_server(&ctx("first start".into()), &db);
+    let setup = ctx("setup".into());
+    let sources = create_endpoints_and_sources(&setup, server.addr, &keys, &receiver);
+    create_accounts(&setup, server.addr, &keys);
     let shared = Arc::new(Shared {
         seed,
         keys,
+        sources,
         addr: RwLock::new(None),
         stop: AtomicBool::new(false),
         abort: AtomicBool::new(false),
@@ -2586,10 +3623,6 @@ fn run_database(seed: u64, kills: u32) -> Figures {
         stats: Stats::default(),
     });
     let _abort = AbortOnDrop(Arc::clone(&shared));
-    let ctx = |at: String| Ctx { seed, kills, at };
-
-    let mut server = start_server(&ctx("first start".into()), &db);
-    create_accounts(&ctx("setup".into()), server.addr, &shared.keys);
     *shared.addr.write().unwrap() = Some(server.addr);
     let barrier = Arc::new(Barrier::new(CLIENTS + 1));
     let clients: Vec<_> = (0..CLIENTS)
@@ -2615,6 +3648,7 @@ fn run_database(seed: u64, kills: u32) -> Figures {
         panics.extend(kill(&shared, server));
         let at = ctx(format!("after kill {n}/{kills}"));
         let mut problems = take_failures(&shared);
+        problems.extend(receiver.take_problems());
         problems.extend(panics.iter().map(|p| format!("server stderr: {p}")));
         at.check(problems);
         let records = shared.answered.lock().unwrap().clone();
@@ -2675,11 +3709,22 @@ fn run_database(seed: u64, kills: u32) -> Figures {
     );
     let ttl = Duration::from_millis(AUTHORIZATION_TTL_MS as u64);
     drain(&end, &db, "hold(s)", ttl + DRAIN_DEADLINE, open_holds);
+    // The expiries were the last state changes: their events are the last
+    // to deliver.
+    drain(
+        &end,
+        &db,
+        "pending deliveries",
+        DELIVERY_DRAIN_DEADLINE,
+        pending_deliveries,
+    );
     panics.extend(kill(&shared, server));
     let mut problems = take_failures(&shared);
+    problems.extend(receiver.take_problems());
     problems.extend(panics.iter().map(|p| format!("server stderr: {p}")));
     end.check(problems);
-    let (snapshot, calls) = check_end(&end, &db, &records);
+    let arrivals = receiver.arrivals();
+    let (snapshot, calls) = check_end(&end, &db, &records, &arrivals);
     let unfinished: Vec<String> = cut_short
         .iter()
         .filter_map(|(id, when)| {
@@ -2740,6 +3785,14 @@ fn run_database(seed: u64, kills: u32) -> Figures {
         holds_canceled: holds("canceled", Some("requested")),
         holds_expired: holds("canceled", Some("expired")),
         refunds_in_db: snapshot.refunds.len() as u64,
+        copied_notifications: get(&stats.copied_notifications),
+        copies: get(&stats.copies),
+        disputes_in_db: snapshot.disputes.len() as u64,
+        events: arrivals.values().filter(|a| a.accepted).count() as u64,
+        webhook_attempts: get(&receiver.stats.attempts),
+        webhook_refused_500: get(&receiver.stats.refused_500),
+        webhook_cut: get(&receiver.stats.cut),
+        webhook_redelivered: get(&receiver.stats.redelivered),
         ..figures
     }
 }
@@ -2759,7 +3812,10 @@ struct Tampering {
 /// (`checks-ref-1`); a hold of 300 from `shop_brl_a` to `shop_brl_c`,
 /// canceled, then refused a capture (`checks-ref-2`); a hold of 200 from
 /// `fund_brl` to `shop_brl_c` left to expire, then refused a capture
-/// (`checks-ref-3`).
+/// (`checks-ref-3`); a sale of 500 from `fund_brl` to `shop_brl_c`
+/// (`checks-ref-4`), disputed for 150 (`checks-ntf-1`, applied) and then
+/// for 400 (`checks-ntf-2`, 422). Each consumer has one webhook endpoint,
+/// and every event was delivered to the receiver.
 const TAMPERINGS: &[Tampering] = &[
     Tampering {
         name: "an acknowledged charge is lost (balances fixed up to hide it)",
@@ -2907,6 +3963,59 @@ const TAMPERINGS: &[Tampering] = &[
               WHERE k.key = 'checks-capture-2' AND c.reference = 'checks-ref-2';",
         expect: "answered 409 yet the acquirer was called",
     },
+    Tampering {
+        name: "an event is lost (deleted with its delivery) after it was delivered",
+        sql: "DELETE FROM deliveries WHERE event_id IN \
+              (SELECT id FROM events WHERE type = 'charge.dispute.created'); \
+              DELETE FROM events WHERE type = 'charge.dispute.created';",
+        expect: "arrived at the receiver but is not in the database",
+    },
+    Tampering {
+        name: "an event's stored body is not the bytes that were delivered",
+        sql: "UPDATE events SET body = CAST(replace(CAST(body AS TEXT), \
+              '\"amount\":500', '\"amount\":501') AS BLOB) WHERE type = 'charge.succeeded';",
+        expect: "differs from the bytes the receiver got",
+    },
+    Tampering {
+        name: "a delivery marked succeeded that the receiver never saw",
+        sql: "INSERT INTO webhook_endpoints (consumer_id, public_id, url, enabled_events, secret, \
+              created_at) SELECT consumer_id, public_id || 'x', url || 'x', enabled_events, \
+              secret, created_at FROM webhook_endpoints \
+              WHERE id = (SELECT min(id) FROM webhook_endpoints); \
+              INSERT INTO deliveries (event_id, endpoint_id, status, attempts, last_status, \
+              updated_at) SELECT id, (SELECT max(id) FROM webhook_endpoints), 'succeeded', 1, \
+              200, created_at FROM events WHERE type = 'charge.dispute.created';",
+        expect: "is succeeded, but the receiver never got it there",
+    },
+    Tampering {
+        name: "a chargeback applied twice (consistently: balances and amount_disputed follow)",
+        sql: "INSERT INTO entries (public_id, account_id, amount, charge_id, dispute_id, \
+              created_at) SELECT public_id || 'x', account_id, amount, charge_id, dispute_id, \
+              created_at FROM entries WHERE dispute_id IS NOT NULL; \
+              UPDATE charges SET amount_disputed = 2 * amount_disputed; \
+              UPDATE accounts SET balance = \
+              (SELECT coalesce(sum(e.amount), 0) FROM entries e WHERE e.account_id = accounts.id);",
+        expect: "disputes: a dispute moved its amount once",
+    },
+    Tampering {
+        name: "a chargeback answered 422 moved money anyway",
+        sql: "INSERT INTO disputes (consumer_id, public_id, charge_id, notification_id, amount, \
+              created_at) SELECT n.consumer_id, 'dp_tampered', c.id, n.id, 100, n.received_at \
+              FROM notifications n, charges c WHERE n.webhook_id = 'checks-ntf-2' \
+              AND c.reference = 'checks-ref-4'; \
+              INSERT INTO entries (public_id, account_id, amount, charge_id, dispute_id, \
+              created_at) SELECT 'ent_tampered_' || v.n, \
+              CASE v.n WHEN 1 THEN c.destination_id ELSE c.source_id END, \
+              CASE v.n WHEN 1 THEN -100 ELSE 100 END, c.id, \
+              (SELECT id FROM disputes WHERE public_id = 'dp_tampered'), c.created_at \
+              FROM charges c, (SELECT 1 AS n UNION ALL SELECT 2) v \
+              WHERE c.reference = 'checks-ref-4'; \
+              UPDATE charges SET amount_disputed = amount_disputed + 100 \
+              WHERE reference = 'checks-ref-4'; \
+              UPDATE accounts SET balance = \
+              (SELECT coalesce(sum(e.amount), 0) FROM entries e WHERE e.account_id = accounts.id);",
+        expect: "is ignored with 1 dispute(s)",
+    },
 ];
 
 /// Sends one intent of the self-test until its final answer, judges it and
@@ -2918,12 +4027,7 @@ fn checks_intent(
     intent: Intent,
     records: &mut Vec<Record>,
 ) -> Value {
-    let auth = format!("Bearer {secret}");
-    let headers = [
-        ("Authorization", auth.as_str()),
-        ("Idempotency-Key", intent.key.as_str()),
-    ];
-    let r = support::send(addr, "POST", &intent.path, &headers, intent.body.as_bytes())
+    let r = send_intent(addr, secret, &intent)
         .unwrap_or_else(|e| ctx.fail(&[format!("{}: {e}", intent.path)]));
     let first = Answer {
         status: r.status,
@@ -2943,13 +4047,16 @@ fn checks_intent(
 }
 
 /// The self-test's file (see `TAMPERINGS`), built through a real server
-/// and left quiescent, both WALs checkpointed; and the answers its client
-/// saw.
-fn checks_file(ctx: &Ctx, db: &Path) -> Vec<Record> {
+/// and left quiescent, both WALs checkpointed, every event delivered; the
+/// answers its client saw, and what the webhook receiver accepted.
+fn checks_file(ctx: &Ctx, db: &Path) -> (Vec<Record>, HashMap<String, Arrival>) {
     let keys: Vec<String> = (0..CONSUMERS)
         .map(|i| support::create_consumer_cli(db, &format!("torture-{i}")))
         .collect();
+    let receiver = Receiver::start(0);
+    let _stop_receiver = StopReceiver(Arc::clone(&receiver));
     let server = start_server(ctx, db);
+    let sources = create_endpoints_and_sources(ctx, server.addr, &keys, &receiver);
     create_accounts(ctx, server.addr, &keys);
     let mut records = Vec::new();
     let intent = |key: &str, path: String, body: Value, kind: Kind, tag: &'static str| Intent {
@@ -2965,7 +4072,7 @@ fn checks_file(ctx: &Ctx, db: &Path) -> Vec<Record> {
     };
     let charge = |n: &str, amount: i64, source: &'static str, destination: &'static str| {
         let reference = format!("checks-ref{n}");
-        let capture = n.is_empty();
+        let capture = n.is_empty() || n == "-4";
         let mut body = json!({"amount": amount, "currency": "BRL", "source": source,
                               "destination": destination, "reference": reference});
         if !capture {
@@ -2987,7 +4094,13 @@ fn checks_file(ctx: &Ctx, db: &Path) -> Vec<Record> {
             if capture { "sale" } else { "hold" },
         )
     };
-    let mut send = |intent: Intent| checks_intent(ctx, server.addr, &keys[0], intent, &mut records);
+    let mut send = |intent: Intent| {
+        let secret = match intent.kind {
+            Kind::Chargeback { .. } => &sources[0].secret,
+            _ => &keys[0],
+        };
+        checks_intent(ctx, server.addr, secret, intent, &mut records)
+    };
     send(charge("", 700, "fund_brl", "shop_brl_a"));
     let holds: Vec<(String, i64)> = [
         charge("-1", 1000, "fund_brl", "shop_brl_b"),
@@ -3028,10 +4141,10 @@ fn checks_file(ctx: &Ctx, db: &Path) -> Vec<Record> {
         refund,
         "refund",
     ));
-    let charge = holds[1].0.clone();
-    let path = format!("/v1/charges/{charge}/cancel");
+    let held = holds[1].0.clone();
+    let path = format!("/v1/charges/{held}/cancel");
     let cancel = Kind::Cancel {
-        charge,
+        charge: held,
         authorized: 300,
         settled: false,
     };
@@ -3056,6 +4169,31 @@ fn checks_file(ctx: &Ctx, db: &Path) -> Vec<Record> {
     };
     assert_eq!(expired["cancellation_reason"], "expired", "{expired}");
     send(capture(3, None, 200, false, "late capture"));
+    // A sale of 500 disputed for 150 (applied), then for 400 (422: 350 is
+    // left).
+    let sale = send(charge("-4", 500, "fund_brl", "shop_brl_c"));
+    let chargeback = |n: usize, amount: i64, left: i64, tag| {
+        let data = json!({"authorization": sale["authorization"], "amount": amount});
+        let kind = Kind::Chargeback {
+            charge: sale["id"].as_str().unwrap_or_default().to_string(),
+            source: sources[0].id.clone(),
+            amount,
+            left,
+        };
+        let path = format!("/v1/notifications/{}", sources[0].id);
+        let body = json!({"type": "chargeback.created", "data": data});
+        intent(&format!("checks-ntf-{n}"), path, body, kind, tag)
+    };
+    send(chargeback(1, 150, 500, "chargeback"));
+    send(chargeback(2, 400, 350, "chargeback over what is left"));
+    drain(
+        ctx,
+        db,
+        "pending deliveries",
+        DELIVERY_DRAIN_DEADLINE,
+        pending_deliveries,
+    );
+    ctx.check(receiver.take_problems());
     server.kill();
     for file in [db.to_path_buf(), Simulator::store_path(db)] {
         Connection::open(&file)
@@ -3063,7 +4201,7 @@ fn checks_file(ctx: &Ctx, db: &Path) -> Vec<Record> {
             .execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
             .unwrap();
     }
-    records
+    (records, receiver.arrivals())
 }
 
 /// The kills are only worth something if the checks fail when they should:
@@ -3078,9 +4216,12 @@ fn the_checks_catch_what_they_claim_to() {
         kills: 0,
         at: "checks self-test".into(),
     };
-    let records = checks_file(&ctx, &db);
+    let (records, arrivals) = checks_file(&ctx, &db);
     let statuses: Vec<u16> = records.iter().map(|r| r.first.status).collect();
-    assert_eq!(statuses, [201, 201, 201, 201, 200, 201, 200, 409, 409]);
+    assert_eq!(
+        statuses,
+        [201, 201, 201, 201, 200, 201, 200, 409, 409, 201, 200, 422]
+    );
 
     let copy = |name: &str| {
         let path = dir.0.join(name);
@@ -3088,7 +4229,7 @@ fn the_checks_catch_what_they_claim_to() {
         std::fs::copy(Simulator::store_path(&db), Simulator::store_path(&path)).unwrap();
         path
     };
-    check_end(&ctx, &copy("untouched.db"), &records);
+    check_end(&ctx, &copy("untouched.db"), &records, &arrivals);
     for (i, t) in TAMPERINGS.iter().enumerate() {
         let path = copy(&format!("tampered-{i}.db"));
         let conn = Connection::open(&path).unwrap();
@@ -3100,7 +4241,7 @@ fn the_checks_catch_what_they_claim_to() {
         conn.execute_batch(t.sql)
             .unwrap_or_else(|e| panic!("{}: {e}", t.name));
         drop(conn);
-        let caught = std::panic::catch_unwind(|| check_end(&ctx, &path, &records));
+        let caught = std::panic::catch_unwind(|| check_end(&ctx, &path, &records, &arrivals));
         let message = match caught {
             Ok(_) => panic!("not caught: {}", t.name),
             Err(e) => e.downcast_ref::<String>().cloned().unwrap_or_default(),
@@ -3124,7 +4265,7 @@ fn the_checks_catch_what_they_claim_to() {
     };
     late.first.received_ms = expires_at_ms - 1;
     let path = copy("early.db");
-    let caught = std::panic::catch_unwind(|| check_end(&ctx, &path, &early));
+    let caught = std::panic::catch_unwind(|| check_end(&ctx, &path, &early, &arrivals));
     let message = caught
         .err()
         .and_then(|e| e.downcast_ref::<String>().cloned());
@@ -3133,6 +4274,26 @@ fn the_checks_catch_what_they_claim_to() {
             .as_deref()
             .is_some_and(|m| m.contains("before hold") && m.contains("no other capture or cancel")),
         "a 409 before the expiry with no winner: {message:?}"
+    );
+    // And the receiver's side: an event the database marks delivered that
+    // never reached it (the receiver's log without the dispute's event).
+    let dispute_event = arrivals
+        .iter()
+        .find(|(_, a)| a.body.windows(22).any(|w| w == b"charge.dispute.created"))
+        .map(|(id, _)| id.clone())
+        .expect("the dispute's event arrived");
+    let mut lost = arrivals.clone();
+    lost.remove(&dispute_event);
+    let path = copy("lost-event.db");
+    let caught = std::panic::catch_unwind(|| check_end(&ctx, &path, &records, &lost));
+    let message = caught
+        .err()
+        .and_then(|e| e.downcast_ref::<String>().cloned());
+    assert!(
+        message.as_deref().is_some_and(|m| m.contains(&format!(
+            "lost: event {dispute_event} (charge.dispute.created) never arrived"
+        ))),
+        "an event that never arrived: {message:?}"
     );
 }
 
@@ -3228,6 +4389,23 @@ fn the_judge_allows_exactly_what_the_contract_allows() {
         )
     };
     let captured = |n: i64| settled("succeeded", n, Value::Null);
+    let chargeback = |amount: i64, left: i64| {
+        let kind = Kind::Chargeback {
+            charge: "ch_1".into(),
+            source: "src_1".into(),
+            amount,
+            left,
+        };
+        intent(kind, 0)
+    };
+    let notified = |source: &str, status: &str| {
+        answer(
+            200,
+            json!({"id": "ntf_1", "object": "notification", "source": source,
+                "webhook_id": "k", "type": "chargeback.created", "status": status,
+                "received_at": time(EXPIRES)}),
+        )
+    };
     let before = EXPIRES - 1;
     let cases: Vec<(&str, Intent, Answer, bool)> = vec![
         (
@@ -3378,6 +4556,54 @@ fn the_judge_allows_exactly_what_the_contract_allows() {
         (
             "a refund of a sale, 409",
             refund(None, Some(300)),
+            problem(409, "invalid-charge-state"),
+            false,
+        ),
+        (
+            "a chargeback of all that is left",
+            chargeback(300, 300),
+            notified("src_1", "applied"),
+            true,
+        ),
+        (
+            "a chargeback that fits, 422",
+            chargeback(300, 300),
+            problem(422, "dispute-exceeds-charge"),
+            false,
+        ),
+        (
+            "a chargeback past what is left",
+            chargeback(301, 300),
+            problem(422, "dispute-exceeds-charge"),
+            true,
+        ),
+        (
+            "a chargeback past what is left, applied",
+            chargeback(301, 300),
+            notified("src_1", "applied"),
+            false,
+        ),
+        (
+            "a chargeback of a captured charge left unmatched",
+            chargeback(1, 300),
+            notified("src_1", "unmatched"),
+            false,
+        ),
+        (
+            "a chargeback of a captured charge ignored",
+            chargeback(1, 300),
+            notified("src_1", "ignored"),
+            false,
+        ),
+        (
+            "a chargeback answered for another source",
+            chargeback(1, 300),
+            notified("src_2", "applied"),
+            false,
+        ),
+        (
+            "a chargeback refused for the charge's state",
+            chargeback(1, 300),
             problem(409, "invalid-charge-state"),
             false,
         ),
