@@ -316,6 +316,14 @@ fn large_ledger_on_disk(dir: &TempDir) -> PathBuf {
         [],
     )
     .unwrap();
+    // Each state change has its event (idem verify checks it).
+    conn.execute(
+        "INSERT INTO events (consumer_id, public_id, type, object_id, body, created_at) \
+         SELECT 1, 'evt_' || public_id, 'account.created', public_id, '{}', 0 FROM accounts \
+         WHERE public_id LIKE 'pad-%'",
+        [],
+    )
+    .unwrap();
     drop(conn);
     assert!(std::fs::metadata(&db).unwrap().len() > 20 << 20);
     db
