@@ -108,7 +108,26 @@ fn check_command(req: &Request, command: &Command<'_>) {
             check_write(req, w, again, Operation::Cancel);
             check_key(&w.key);
         }
-        Command::ListEntries(_, page) | Command::ListCharges(page) => {
+        Command::CreateWebhookEndpoint(w) => {
+            let again = idem::model::WebhookEndpointRequest::from_json(&w.body);
+            check_write(req, w, again, Operation::WebhookEndpoint);
+            if let Some(key) = &w.key {
+                check_key(key);
+            }
+        }
+        Command::CreateNotificationSource(w) => {
+            let again = idem::inbound::SourceRequest::from_json(&w.body);
+            check_write(req, w, again, Operation::NotificationSource);
+            if let Some(key) = &w.key {
+                check_key(key);
+            }
+        }
+        Command::ListEntries(_, page)
+        | Command::ListCharges(page)
+        | Command::ListEvents(page, _)
+        | Command::ListWebhookEndpoints(page)
+        | Command::ListNotificationSources(page)
+        | Command::ListNotifications(page, _) => {
             assert!((1..=LIST_LIMIT_MAX).contains(&page.limit));
             assert!(page.starting_after.as_ref().is_none_or(|s| !s.is_empty()));
             let query = req.query.as_deref().unwrap_or("").as_bytes();
@@ -126,7 +145,14 @@ fn check_command(req: &Request, command: &Command<'_>) {
         | Command::OpenApi
         | Command::GetAccount(_)
         | Command::GetCharge(_)
-        | Command::GetOperation(_) => {}
+        | Command::GetOperation(_)
+        | Command::GetEvent(_)
+        | Command::ListDeliveries(_)
+        | Command::GetWebhookEndpoint(_)
+        | Command::DeleteWebhookEndpoint(_)
+        | Command::GetNotificationSource(_)
+        // Decoded only up to its source: the signature is checked by `App`.
+        | Command::Notify(..) => {}
     }
 }
 
