@@ -52,15 +52,6 @@ pub fn open_rw(
     // file then stays at its high-water mark. With one, the first commit
     // after a checkpoint has reset the WAL truncates the file to the limit.
     conn.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT_BYTES)?;
-    // The writer runs every command in its own savepoint, so SQLite copies
-    // each page a command touches into the statement journal (to roll that
-    // command back alone). That journal is only ever read to roll back a
-    // savepoint inside the open transaction — never by crash recovery, which
-    // is the WAL's — and it holds one command's pages at a time (releasing
-    // the savepoint empties it). By default it spills to a temporary file
-    // past 64 KiB, which a charge's ledger phase crosses: every batch then
-    // created a file and wrote pages to it. In memory it stays.
-    conn.pragma_update(None, "temp_store", "MEMORY")?;
     migrate(&mut conn, fault).map_err(|e| in_database(path, e))?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
     Ok(conn)
