@@ -18,7 +18,9 @@
 //! with one subscribed endpoint, a receiver in this process, vs none, and
 //! the time from each event's commit to its arrival), and, only when named,
 //! `batch_sweep` (how the default
-//! `--commit-batch-max` was chosen).
+//! `--commit-batch-max` was chosen) and `ab` (unique keys, this build's
+//! server vs the `idem` binary at `IDEM_BENCH_AB_BIN`, in alternating
+//! rounds: a before/after comparison on a busy machine).
 //! Results go to `target/bench/contention.json`.
 //!
 //! `IDEM_BENCH_SECONDS` sets each measured run's length (default 5);
@@ -51,8 +53,13 @@ struct ServerProc {
 
 impl ServerProc {
     fn start(args: &[&str]) -> ServerProc {
+        ServerProc::start_bin(env!("CARGO_BIN_EXE_idem"), args)
+    }
+
+    /// [`ServerProc::start`] of the `idem` binary at `bin`.
+    fn start_bin(bin: &str, args: &[&str]) -> ServerProc {
         let dir = TempDir::new();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        let mut child = Command::new(bin)
             .arg("serve")
             .arg("--db")
             .arg(dir.0.join("idem.db"))
@@ -731,6 +738,53 @@ impl Bench {
         (run, server)
     }
 
+    /// `ab` (only when named): unique keys at the first of
+    /// `IDEM_BENCH_UNIQUE_CONNS`, this build's server against the `idem`
+    /// binary at `IDEM_BENCH_AB_BIN` (another build: the commit before a
+    /// change), in `IDEM_BENCH_ROUNDS` alternating rounds, so that a busy
+    /// machine slows both alike; the median of each, and their ratio.
+    fn ab(&mut self) {
+        let other = std::env::var("IDEM_BENCH_AB_BIN").expect("IDEM_BENCH_AB_BIN: an idem binary");
+        let conns = unique_conns()[0];
+        let bins = [
+            ("this", env!("CARGO_BIN_EXE_idem").to_string()),
+            ("other", other),
+        ];
+        let mut rounds: Vec<Vec<Value>> = vec![Vec::new(); 2];
+        for (i, (label, bin)) in (0..self.rounds).flat_map(|_| bins.iter().enumerate()) {
+            let server = ServerProc::start_bin(bin, &[]);
+            setup_accounts(server.addr, &server.key, conns);
+            let run = drive(
+                server.addr,
+                &server.key,
+                conns,
+                self.duration,
+                unique_keys(conns, false),
+            );
+            assert_one_charge_per_201(&server, &run);
+            println!("round: {label} {:.0}/s", run.rate());
+            rounds[i].push(row(&format!("{label}, {conns} conns"), &run, conns));
+        }
+        // Each round's ratio: neighbours in time share the machine's load.
+        let rate = |r: &Value| r["per_second"].as_f64().unwrap();
+        let ratios: Vec<String> = rounds[0]
+            .iter()
+            .zip(&rounds[1])
+            .map(|(a, b)| ratio(rate(a), rate(b)))
+            .collect();
+        let pair: Vec<Value> = rounds.into_iter().map(median_by_rate).collect();
+        print_table("ab: this build vs IDEM_BENCH_AB_BIN, alternating", &pair);
+        println!("\nthis/other per round: {}", ratios.join(" "));
+        println!(
+            "\nthis/other throughput: {}",
+            ratio(
+                pair[0]["per_second"].as_f64().unwrap(),
+                pair[1]["per_second"].as_f64().unwrap()
+            )
+        );
+        self.results.insert("ab".into(), json!({"runs": pair}));
+    }
+
     fn unique(&mut self) {
         let mut rows = Vec::new();
         let mut summary = Vec::new();
@@ -1268,6 +1322,9 @@ fn main() {
     }
     if want("webhooks") {
         bench.webhooks();
+    }
+    if selected.iter().any(|s| s == "ab") {
+        bench.ab();
     }
     // Not in the default set: it only re-derives the default batch size.
     if selected.iter().any(|s| s == "batch_sweep") {

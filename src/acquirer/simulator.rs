@@ -31,7 +31,8 @@
 //! but not fsynced.
 //!
 //! Three tables. `authorizations`: one row per acquirer-side key (UNIQUE),
-//! with the authorization id, amount, currency, when it was made, and what
+//! keyed by its authorization id (so that a capture finds it without an
+//! index of its own), amount, currency, when it was made, and what
 //! became of it: `state` (`authorized`, `captured`, `voided`), `captured`
 //! and `refunded`. `operations`: one row per key of a capture, void or
 //! refund, so a repeated call does nothing twice. `calls`: a journal of
@@ -113,8 +114,35 @@ CREATE TABLE operations (
     created_at       INTEGER NOT NULL
 );
 ";
+/// Version 3: `authorizations` is keyed by its authorization id (WITHOUT
+/// ROWID), so a capture, void or refund finds its authorization through the
+/// table itself. Version 2's `authorizations_by_id` index was one more page
+/// written by every authorize call (each call commits on its own) for the
+/// sake of the fewer calls that look an authorization up by id. The ids
+/// follow the clock (UUIDv7), so oldest-first is still id order for pruning.
+const SCHEMA_V3_SQL: &str = "
+CREATE TABLE authorizations_v3 (
+    authorization_id TEXT    NOT NULL PRIMARY KEY,
+    key              TEXT    NOT NULL UNIQUE,
+    amount           INTEGER NOT NULL,
+    currency         TEXT    NOT NULL,
+    state            TEXT    NOT NULL DEFAULT 'authorized'
+                     CHECK (state IN ('authorized', 'captured', 'voided')),
+    created_at       INTEGER NOT NULL,
+    -- when the authorization is decided: a call answers no sooner
+    ready_at         INTEGER NOT NULL,
+    captured         INTEGER NOT NULL DEFAULT 0,
+    refunded         INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+INSERT INTO authorizations_v3 (authorization_id, key, amount, currency, state, created_at,
+    ready_at, captured, refunded)
+SELECT authorization_id, key, amount, currency, state, created_at, ready_at, captured, refunded
+FROM authorizations ORDER BY id;
+DROP TABLE authorizations;
+ALTER TABLE authorizations_v3 RENAME TO authorizations;
+";
 /// The simulator file's `PRAGMA user_version`.
-const SCHEMA_VERSION: i64 = 2;
+const SCHEMA_VERSION: i64 = 3;
 
 /// Wall-clock milliseconds since the Unix epoch. The simulator reads the
 /// time through one, so a test can age its rows without waiting.
@@ -338,7 +366,7 @@ impl Simulator {
         };
         let mut stmt = conn.prepare(
             "SELECT key, authorization_id, amount, currency, created_at, state, captured, \
-             refunded FROM authorizations ORDER BY id",
+             refunded FROM authorizations ORDER BY created_at, authorization_id",
         )?;
         let rows = stmt.query_map([], |r| {
             Ok(StoredAuthorization {
@@ -672,13 +700,15 @@ impl Store {
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
         let batch = SIMULATOR_PRUNE_BATCH_LEN as i64;
         // Among the oldest ids, those past the cutoff: a bounded walk, no
-        // time index. A row stamped out of order (the clock stepped back)
-        // waits until it is old itself, and at most a batch of rows past
-        // the cutoff waits behind it.
+        // time index (authorization ids are UUIDv7: they follow the clock).
+        // A row stamped out of order (the clock stepped back) waits until it
+        // is old itself, and at most a batch of rows past the cutoff waits
+        // behind it.
         let authorizations = tx
             .prepare_cached(
-                "DELETE FROM authorizations WHERE id IN \
-                 (SELECT id FROM authorizations ORDER BY id LIMIT ?2) AND created_at < ?1",
+                "DELETE FROM authorizations WHERE authorization_id IN \
+                 (SELECT authorization_id FROM authorizations ORDER BY authorization_id \
+                 LIMIT ?2) AND created_at < ?1",
             )?
             .execute(params![cutoff, batch])?;
         let calls = tx
@@ -794,13 +824,14 @@ fn migrate(conn: &mut Connection) -> Result<()> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
     match version {
-        0 => {
-            tx.execute_batch(SCHEMA_SQL)?;
-            tx.execute_batch(SCHEMA_V2_SQL)?;
-            tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
-        }
-        1 => {
-            tx.execute_batch(SCHEMA_V2_SQL)?;
+        0..=2 => {
+            if version == 0 {
+                tx.execute_batch(SCHEMA_SQL)?;
+            }
+            if version <= 1 {
+                tx.execute_batch(SCHEMA_V2_SQL)?;
+            }
+            tx.execute_batch(SCHEMA_V3_SQL)?;
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         }
         SCHEMA_VERSION => {}
@@ -876,5 +907,53 @@ mod tests {
         for (line, want) in cases {
             assert_eq!(parse_v1_line(line.as_bytes()), *want, "{line:?}");
         }
+    }
+
+    /// A version 2 file keeps its authorizations (oldest first) and their
+    /// state through the step to version 3, and a capture then finds its
+    /// authorization by id.
+    #[test]
+    fn a_v2_file_is_migrated_and_keeps_its_authorizations() {
+        let dir = std::env::temp_dir().join(format!("idem-sim-v2-{}", Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let db = dir.join("idem.db");
+        {
+            let conn = Connection::open(Simulator::store_path(&db)).unwrap();
+            conn.execute_batch(SCHEMA_SQL).unwrap();
+            conn.execute_batch(SCHEMA_V2_SQL).unwrap();
+            conn.execute_batch(
+                "INSERT INTO authorizations (key, authorization_id, amount, currency, state, \
+                 created_at, ready_at, captured) VALUES \
+                 ('op_b', 'auth_b', 70, 'BRL', 'authorized', 2, 2, 0), \
+                 ('op_a', 'auth_a', 50, 'BRL', 'captured', 1, 1, 50);
+                 PRAGMA user_version = 2;",
+            )
+            .unwrap();
+        }
+        let sim = Simulator::open(&db, Duration::ZERO, Duration::from_secs(3600)).unwrap();
+        let kept: Vec<(String, String, String)> = Simulator::authorizations(&db)
+            .unwrap()
+            .into_iter()
+            .map(|a| (a.key, a.id, a.state))
+            .collect();
+        let want = |k: &str, a: &str, s: &str| (k.to_string(), a.to_string(), s.to_string());
+        assert_eq!(
+            kept,
+            [
+                want("op_a", "auth_a", "captured"),
+                want("op_b", "auth_b", "authorized")
+            ]
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        sim.capture("cap_b", "auth_b", 70, deadline).unwrap();
+        let b = Simulator::authorizations(&db).unwrap().remove(1);
+        assert_eq!((b.state.as_str(), b.captured), ("captured", 70));
+        let version: i64 = Connection::open(Simulator::store_path(&db))
+            .unwrap()
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        drop(sim);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
