@@ -1223,25 +1223,17 @@ impl App {
         self.readers.read(|c| webhooks::due(c, now_ms(), limit))
     }
 
-    /// Records one attempt of delivery `id` (one small writer command).
-    pub fn record_delivery(
+    /// Records the outcomes of attempts, all in one writer command.
+    pub fn record_deliveries(
         &self,
-        id: i64,
-        ok: bool,
-        status: Option<u16>,
-        error: Option<String>,
-        next_attempt_at: Option<i64>,
-    ) -> Result<Recorded> {
+        attempts: Vec<webhooks::AttemptRecord>,
+    ) -> Result<Vec<Recorded>> {
         self.writer.call(move |tx| {
-            webhooks::record_attempt(
-                tx,
-                id,
-                ok,
-                status,
-                error.as_deref(),
-                next_attempt_at,
-                now_ms(),
-            )
+            let now = now_ms();
+            attempts
+                .iter()
+                .map(|a| webhooks::record_attempt(tx, a, now))
+                .collect()
         })
     }
 

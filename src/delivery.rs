@@ -17,9 +17,12 @@
 //! request, response headers and body each capped by it too); redirects are
 //! not followed, no proxy is used, and at most
 //! [`WEBHOOK_RESPONSE_BYTES_MAX`] of the response body is read and thrown
-//! away. Its outcome is one small writer command (`webhooks::
-//! record_attempt`). Nothing here runs on an HTTP worker or inside a writer
-//! command: a receiver that hangs costs a sender thread, nothing else.
+//! away. Its outcome goes to the recorder thread (`idem-webhook-record`),
+//! which writes every outcome that has arrived in one writer command
+//! (`webhooks::record_attempt` each) and only then releases their leases:
+//! a sender never waits for a commit. Nothing here runs on an HTTP worker
+//! or inside a writer command: a receiver that hangs costs a sender thread,
+//! nothing else.
 //!
 //! Delivery is at least once: the state is in the database, so a crash
 //! between an attempt and its record sends it again after the restart, with
@@ -41,7 +44,7 @@ use crate::config::{
 };
 use crate::signature;
 use crate::time::{millis, now_ms};
-use crate::webhooks::{Due, Recorded};
+use crate::webhooks::{AttemptRecord, Due, Recorded};
 
 /// Attempts to one endpoint on the wire at once, at most.
 pub const ENDPOINT_CONCURRENCY_MAX: usize = WEBHOOK_THREADS / 2;
@@ -57,11 +60,26 @@ pub struct Delivery {
 /// An attempt handed to a sender thread.
 struct Job(Due);
 
-/// A sender's report: the delivery and endpoint whose attempt is over.
-struct Done {
-    id: i64,
-    endpoint_id: i64,
+/// What the dispatcher hears back: a sender is free again (its attempt to
+/// this endpoint is off the wire), or an attempt is recorded (the delivery
+/// may be handed out again if it is still due).
+enum Done {
+    Sent { endpoint_id: i64 },
+    Recorded { id: i64 },
 }
+
+/// An attempt over, for the recorder to write.
+struct Attempted {
+    id: i64,
+    event: String,
+    outcome: Outcome,
+    next_attempt_at: Option<i64>,
+}
+
+/// Attempts the recorder writes in one writer command, at most: under load
+/// the outcomes of a whole poll share one command and one commit, instead of
+/// each sender waiting for a commit of its own.
+const RECORD_BATCH_MAX: usize = 256;
 
 impl Delivery {
     /// Starts the dispatcher and the sender threads of `app`.
@@ -69,23 +87,33 @@ impl Delivery {
         let stopping = Arc::new(AtomicBool::new(false));
         let (jobs_tx, jobs_rx) = crossbeam_channel::bounded::<Job>(WEBHOOK_THREADS);
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
+        let (attempted_tx, attempted_rx) = crossbeam_channel::unbounded::<Attempted>();
         let agent = agent(app.config.webhook_timeout);
-        let mut threads = Vec::with_capacity(WEBHOOK_THREADS + 1);
+        let mut threads = Vec::with_capacity(WEBHOOK_THREADS + 2);
         for n in 0..WEBHOOK_THREADS {
-            let (app, agent, jobs, done, stopping) = (
+            let (app, agent, jobs, done, attempted, stopping) = (
                 Arc::clone(&app),
                 agent.clone(),
                 jobs_rx.clone(),
                 done_tx.clone(),
+                attempted_tx.clone(),
                 Arc::clone(&stopping),
             );
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("idem-webhook-{n}"))
-                    .spawn(move || send_loop(&app, &agent, &jobs, &done, &stopping))
+                    .spawn(move || send_loop(&app, &agent, &jobs, &done, &attempted, &stopping))
                     .expect("spawn webhook sender"),
             );
         }
+        drop(attempted_tx);
+        let recorder_app = Arc::clone(&app);
+        threads.push(
+            std::thread::Builder::new()
+                .name("idem-webhook-record".into())
+                .spawn(move || record_loop(&recorder_app, &attempted_rx, &done_tx))
+                .expect("spawn webhook recorder"),
+        );
         let s = Arc::clone(&stopping);
         threads.push(
             std::thread::Builder::new()
@@ -135,7 +163,10 @@ fn agent(timeout: Duration) -> ureq::Agent {
 /// The dispatcher: hands due deliveries to free senders, keeping the lease
 /// (`on_wire`) and the per-endpoint counts; refreshes the backlog gauge.
 fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &AtomicBool) {
+    // The lease: deliveries handed out and not yet recorded.
     let mut on_wire: HashSet<i64> = HashSet::new();
+    // Attempts on the wire (each holds a sender thread).
+    let mut sending = 0usize;
     let mut per_endpoint: HashMap<i64, usize> = HashMap::new();
     let mut backlog_at = Instant::now() - BACKLOG_REFRESH;
     while !stopping.load(Ordering::SeqCst) {
@@ -146,7 +177,7 @@ fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &Atom
                 Err(e) => log::warn!("webhooks: cannot count the backlog: {e}"),
             }
         }
-        let free = WEBHOOK_THREADS - on_wire.len();
+        let free = WEBHOOK_THREADS - sending;
         if free > 0 {
             // Enough rows that those on the wire or over their endpoint's
             // share do not hide the rest.
@@ -164,6 +195,7 @@ fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &Atom
                         }
                         on_wire.insert(d.id);
                         *per_endpoint.entry(d.endpoint_id).or_default() += 1;
+                        sending += 1;
                         handed += 1;
                         if jobs.send(Job(d)).is_err() {
                             return;
@@ -173,13 +205,18 @@ fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &Atom
                 Err(e) => log::warn!("webhooks: cannot read due deliveries: {e}"),
             }
         }
-        let mut release = |d: Done| {
-            on_wire.remove(&d.id);
-            if let Some(n) = per_endpoint.get_mut(&d.endpoint_id) {
-                *n -= 1;
-                if *n == 0 {
-                    per_endpoint.remove(&d.endpoint_id);
+        let mut release = |d: Done| match d {
+            Done::Sent { endpoint_id } => {
+                sending -= 1;
+                if let Some(n) = per_endpoint.get_mut(&endpoint_id) {
+                    *n -= 1;
+                    if *n == 0 {
+                        per_endpoint.remove(&endpoint_id);
+                    }
                 }
+            }
+            Done::Recorded { id } => {
+                on_wire.remove(&id);
             }
         };
         match done.recv_timeout(WEBHOOK_POLL_INTERVAL) {
@@ -195,25 +232,72 @@ fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &Atom
     }
 }
 
-/// A sender thread: one attempt at a time until the dispatcher is gone.
+/// A sender thread: one attempt at a time until the dispatcher is gone;
+/// its outcome goes to the recorder, and the thread is free at once.
 fn send_loop(
     app: &App,
     agent: &ureq::Agent,
     jobs: &Receiver<Job>,
     done: &Sender<Done>,
+    attempted: &Sender<Attempted>,
     stopping: &AtomicBool,
 ) {
     while let Ok(Job(due)) = jobs.recv() {
-        let report = Done {
-            id: due.id,
+        let sent = Done::Sent {
             endpoint_id: due.endpoint_id,
         };
-        if !stopping.load(Ordering::SeqCst) {
-            let outcome = attempt(agent, &due);
-            record(app, &due, outcome);
+        if stopping.load(Ordering::SeqCst) {
+            // Not attempted: the delivery stays pending for the next start.
+            let _ = done.send(sent);
+            let _ = done.send(Done::Recorded { id: due.id });
+            continue;
         }
-        let _ = done.send(report);
+        let outcome = attempt(agent, &due);
+        let next_attempt_at = next_attempt_at(app, &due, &outcome);
+        let _ = attempted.send(Attempted {
+            id: due.id,
+            event: due.event,
+            outcome,
+            next_attempt_at,
+        });
+        let _ = done.send(sent);
     }
+}
+
+/// The recorder thread: writes the outcomes that have arrived, up to
+/// [`RECORD_BATCH_MAX`] in one writer command, counts them, and only then
+/// lets the dispatcher hand their deliveries out again. Runs until every
+/// sender is gone, so an attempt made before a shutdown is still recorded.
+fn record_loop(app: &App, attempted: &Receiver<Attempted>, done: &Sender<Done>) {
+    while let Ok(first) = attempted.recv() {
+        let mut batch = vec![first];
+        while batch.len() < RECORD_BATCH_MAX {
+            match attempted.try_recv() {
+                Ok(a) => batch.push(a),
+                Err(_) => break,
+            }
+        }
+        record(app, &batch);
+        for a in &batch {
+            let _ = done.send(Done::Recorded { id: a.id });
+        }
+    }
+}
+
+/// When to try `due` again after `outcome`: `None` once it succeeded or its
+/// last attempt failed.
+fn next_attempt_at(app: &App, due: &Due, outcome: &Outcome) -> Option<i64> {
+    let config = &app.config;
+    let attempts = due.attempts.saturating_add(1);
+    (!outcome.ok && attempts < config.webhook_attempts_max).then(|| {
+        let wait = backoff_ms(
+            millis(config.webhook_retry_base),
+            millis(WEBHOOK_RETRY_CAP),
+            attempts,
+            getrandom::u64().unwrap_or(u64::MAX / 2),
+        );
+        now_ms().saturating_add(wait)
+    })
 }
 
 /// What one attempt got.
@@ -265,30 +349,40 @@ fn attempt(agent: &ureq::Agent, due: &Due) -> Outcome {
     }
 }
 
-/// Records an attempt in one writer command and counts it. If the writer
-/// cannot take it, the delivery stays as it was (pending, due): it is sent
-/// again, with the same `webhook-id`.
-fn record(app: &App, due: &Due, outcome: Outcome) {
-    let config = &app.config;
-    let attempts = due.attempts.saturating_add(1);
-    let next = (!outcome.ok && attempts < config.webhook_attempts_max).then(|| {
-        let wait = backoff_ms(
-            millis(config.webhook_retry_base),
-            millis(WEBHOOK_RETRY_CAP),
-            attempts,
-            getrandom::u64().unwrap_or(u64::MAX / 2),
-        );
-        now_ms().saturating_add(wait)
-    });
-    let error = outcome
-        .error
-        .map(|e| e.chars().take(WEBHOOK_ERROR_LEN_MAX).collect::<String>());
-    match app.record_delivery(due.id, outcome.ok, outcome.status, error, next) {
-        Ok(Recorded::Succeeded) => app.metrics.webhook_succeeded.inc(),
-        Ok(Recorded::Retried) => app.metrics.webhook_retried.inc(),
-        Ok(Recorded::Failed) => app.metrics.webhook_failed.inc(),
-        Ok(Recorded::Gone) => {}
-        Err(e) => log::warn!("webhooks: cannot record an attempt of {}: {e}", due.event),
+/// Records attempts in one writer command and counts them. If the writer
+/// cannot take them, the deliveries stay as they were (pending, due): they
+/// are sent again, with the same `webhook-id`.
+fn record(app: &App, batch: &[Attempted]) {
+    let rows: Vec<AttemptRecord> = batch
+        .iter()
+        .map(|a| AttemptRecord {
+            id: a.id,
+            ok: a.outcome.ok,
+            status: a.outcome.status,
+            error: a
+                .outcome
+                .error
+                .as_ref()
+                .map(|e| e.chars().take(WEBHOOK_ERROR_LEN_MAX).collect::<String>()),
+            next_attempt_at: a.next_attempt_at,
+        })
+        .collect();
+    match app.record_deliveries(rows) {
+        Ok(recorded) => {
+            for r in recorded {
+                match r {
+                    Recorded::Succeeded => app.metrics.webhook_succeeded.inc(),
+                    Recorded::Retried => app.metrics.webhook_retried.inc(),
+                    Recorded::Failed => app.metrics.webhook_failed.inc(),
+                    Recorded::Gone => {}
+                }
+            }
+        }
+        Err(e) => log::warn!(
+            "webhooks: cannot record {} attempt(s) (first: {}): {e}",
+            batch.len(),
+            batch[0].event
+        ),
     }
 }
 

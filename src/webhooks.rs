@@ -323,19 +323,25 @@ pub enum Recorded {
     Gone,
 }
 
-/// Records one attempt of delivery `id`: `status` is the HTTP status if a
-/// response arrived; `ok` whether it was a success (2xx); `error` why not;
-/// `next_attempt_at` when to try again, or `None` if no attempt is left.
-pub fn record_attempt(
-    tx: &Connection,
-    id: i64,
-    ok: bool,
-    status: Option<u16>,
-    error: Option<&str>,
-    next_attempt_at: Option<i64>,
-    now_ms: i64,
-) -> Result<Recorded> {
-    let (state, next, recorded) = match (ok, next_attempt_at) {
+/// One attempt's outcome, as the delivery engine records it.
+#[derive(Debug, Clone)]
+pub struct AttemptRecord {
+    /// The delivery.
+    pub id: i64,
+    /// A 2xx arrived.
+    pub ok: bool,
+    /// The HTTP status, if a response arrived.
+    pub status: Option<u16>,
+    /// Why the attempt failed.
+    pub error: Option<String>,
+    /// When to try again, or `None` if no attempt is left.
+    pub next_attempt_at: Option<i64>,
+}
+
+/// Records one attempt of a delivery, if it is still pending (a delivery
+/// its endpoint's deletion stopped is `Gone`).
+pub fn record_attempt(tx: &Connection, a: &AttemptRecord, now_ms: i64) -> Result<Recorded> {
+    let (state, next, recorded) = match (a.ok, a.next_attempt_at) {
         (true, _) => ("succeeded", None, Recorded::Succeeded),
         (false, Some(at)) => ("pending", Some(at), Recorded::Retried),
         (false, None) => ("failed", None, Recorded::Failed),
@@ -346,6 +352,6 @@ pub fn record_attempt(
              last_error = ?4, next_attempt_at = ?5, updated_at = ?6 \
              WHERE id = ?1 AND status = 'pending'",
         )?
-        .execute(params![id, state, status, error, next, now_ms])?;
+        .execute(params![a.id, state, a.status, a.error, next, now_ms])?;
     Ok(if n == 1 { recorded } else { Recorded::Gone })
 }
