@@ -96,6 +96,22 @@ impl ServerProc {
         self.status_kib("VmHWM:")
     }
 
+    /// CPU time the server process has used so far (user + system), in ms.
+    fn cpu_ms(&self) -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))
+            .unwrap_or_default();
+        // Fields after the command name (which may hold spaces), from its ')'.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .map_or("", |(_, rest)| rest)
+            .split_whitespace()
+            .collect();
+        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+        // utime and stime are fields 14 and 15 of stat(5), 11 and 12 here;
+        // clock ticks of 10 ms (USER_HZ = 100 on Linux).
+        (ticks(11) + ticks(12)) * 10.0
+    }
+
     /// Resident set size now (VmRSS), in KiB.
     fn rss_kib(&self) -> u64 {
         self.status_kib("VmRSS:")
@@ -754,6 +770,7 @@ impl Bench {
         for (i, (label, bin)) in (0..self.rounds).flat_map(|_| bins.iter().enumerate()) {
             let server = ServerProc::start_bin(bin, &[]);
             setup_accounts(server.addr, &server.key, conns);
+            let cpu_before = server.cpu_ms();
             let run = drive(
                 server.addr,
                 &server.key,
@@ -761,10 +778,29 @@ impl Bench {
                 self.duration,
                 unique_keys(conns, false),
             );
+            // The server's own CPU per charge: what a build costs, whatever
+            // else the machine runs meanwhile (throughput is not).
+            let cpu_us = (server.cpu_ms() - cpu_before) * 1000.0 / run.ok().max(1) as f64;
             assert_one_charge_per_201(&server, &run);
-            println!("round: {label} {:.0}/s", run.rate());
-            rounds[i].push(row(&format!("{label}, {conns} conns"), &run, conns));
+            println!("round: {label} {:.0}/s, {cpu_us:.0} µs CPU per charge", run.rate());
+            let mut r = row(&format!("{label}, {conns} conns"), &run, conns);
+            r["server_cpu_us_per_charge"] = json!(cpu_us);
+            rounds[i].push(r);
         }
+        let cpu = |rs: &[Value]| {
+            let mut v: Vec<f64> = rs
+                .iter()
+                .map(|r| r["server_cpu_us_per_charge"].as_f64().unwrap())
+                .collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        println!(
+            "\nserver CPU per charge (median): this {:.0} µs, other {:.0} µs, this/other {}",
+            cpu(&rounds[0]),
+            cpu(&rounds[1]),
+            ratio(cpu(&rounds[0]), cpu(&rounds[1]))
+        );
         // Each round's ratio: neighbours in time share the machine's load.
         let rate = |r: &Value| r["per_second"].as_f64().unwrap();
         let ratios: Vec<String> = rounds[0]
