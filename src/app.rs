@@ -586,9 +586,18 @@ impl App {
     }
 
     /// A charge: the pre-check (a final outcome needs no acquirer), the
-    /// authorization and its recovery point, the ledger phase; and when the
-    /// ledger declines after the acquirer authorised, the void of that
-    /// authorization (its own recovery point) before the answer is final.
+    /// authorization, the ledger phase; and when the ledger declines after
+    /// the acquirer authorised, the void of that authorization (its own
+    /// recovery point) before the answer is final.
+    ///
+    /// The authorization has no commit of its own: the ledger phase records
+    /// it with its effect. A crash (or a transient failure) between the two
+    /// leaves the key at `reserved`, and whoever resumes asks the acquirer
+    /// again under the same key — the same authorization, not a second —
+    /// so a separate recovery point would buy nothing but a writer pass.
+    /// Where a later step can fail after the authorization (a decline, then
+    /// the void), the decline's transaction records the authorization with
+    /// the decided answer (`declined`), and the void resumes from there.
     fn run_charge(&self, row: &KeyRow, req: ChargeRequest) -> Result<Reply, Reply> {
         let owner = row.owner();
         let fp: Fingerprint = row
@@ -627,6 +636,10 @@ impl App {
                     // Declined after the acquirer authorised: the answer is
                     // decided, and the authorization must not dangle.
                     other => {
+                        // Recorded with the decision, for the void to
+                        // resume from if this owner dies before it.
+                        let recorded = idempotency::record_authorization(tx, o, &auth, now)?;
+                        assert!(recorded, "fence checked in this transaction");
                         let (stored, _) = charge_response(other);
                         Step::Decided(RecoveryPoint::Declined, stored)
                     }
@@ -820,9 +833,10 @@ impl App {
     }
 
     /// The steps between reservation and the ledger phase of a charge: the
-    /// pre-check (a final outcome needs no acquirer), the acquirer call
-    /// within its deadline and its recovery point. `locked_at_ms` is when
-    /// `owner`'s lock was taken. `Err` is the reply to give instead.
+    /// pre-check (a final outcome needs no acquirer) and the acquirer call
+    /// within its deadline; the ledger phase records the authorization it
+    /// returns. `locked_at_ms` is when `owner`'s lock was taken. `Err` is
+    /// the reply to give instead.
     fn authorize(
         &self,
         owner: &Owner,
@@ -866,17 +880,6 @@ impl App {
                 deadline,
             )
         })?;
-        let o = owner.clone();
-        let auth_id = auth.id.clone();
-        match self
-            .writer
-            .call(move |tx| idempotency::record_authorization(tx, &o, &auth_id, now_ms()))
-        {
-            Ok(true) => {}
-            Ok(false) => return Err(self.lost(owner)),
-            Err(e) => return Err(self.give_up(owner, e)),
-        }
-        self.fault(FaultPoint::AfterRecoveryPoint, "charge");
         Ok(auth.id)
     }
 

@@ -191,10 +191,54 @@ fn an_upgrade_imports_the_v1_journal_of_an_in_progress_key() {
     assert!(!Simulator::v1_journal_path(&db).exists(), "imported once");
 }
 
+/// A charge's authorization has no commit of its own: the ledger phase
+/// records it with the charge, in one transaction. So a sale passes no
+/// recovery point at all (`after_recovery_point` never fires for it), and
+/// its key goes from `reserved` straight to `completed` with the charge
+/// naming the authorization; a crash before that commit is
+/// `after_acquirer`'s case (the same authorization again, above).
 #[test]
-fn crash_after_recovery_point_before_ledger_commit() {
+fn a_sale_records_its_authorization_with_the_charge_not_before() {
     let dir = TempDir::new("after-recovery");
-    retries_recover_exactly_once(&dir.db(), "after_recovery_point", 1);
+    let db = dir.db();
+    let server = ChildServer::start(
+        &db,
+        &["--inflight-timeout", INFLIGHT],
+        &[("IDEM_FAULT", "charge:after_recovery_point")],
+    );
+    let client = Client::new(server.addr, server.initial_key.as_deref().unwrap());
+    client.card_and_shop();
+    let sale = client.charge("no-recovery-point", &charge_body(4200));
+    assert_eq!(sale.status, 201, "no fault fired: the server is alive");
+    let hold = client.charge(
+        "hold-too",
+        &serde_json::json!({"amount": 100, "currency": "BRL", "source": "card",
+                            "destination": "shop", "capture": false}),
+    );
+    assert_eq!(hold.status, 201);
+    let conn = Connection::open(&db).unwrap();
+    let rows: Vec<(String, String, Option<String>)> = conn
+        .prepare("SELECT state, recovery_point, authorization FROM idempotency_keys ORDER BY id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    // Completed from `reserved`: the authorization went to the charge row.
+    for row in &rows {
+        assert_eq!(
+            (row.0.as_str(), row.1.as_str(), &row.2),
+            ("completed", "reserved", &None)
+        );
+    }
+    let made = journal(&db);
+    assert_eq!(authorizations_made(&made).len(), 2);
+    let in_db: Vec<String> = charges_in_db(&db).into_iter().map(|(_, a)| a).collect();
+    for call in authorizations_made(&made) {
+        assert!(in_db.contains(&call.authorization), "{call:?} in {in_db:?}");
+    }
+    drop(server);
+    support::assert_verified(&db);
 }
 
 /// Committed but never answered: the retry replays the committed charge.
@@ -378,11 +422,12 @@ fn stuck_owner_is_fenced_off_after_takeover() {
     support::assert_verified(server.db_path());
 }
 
-/// Fencing at the ledger commit: owner A has recorded its recovery point and
-/// is stuck just before its ledger phase past the in-flight timeout; B takes
-/// over, resumes from the recovery point (no second acquirer call) and
-/// commits. When A wakes, its commit is refused and it answers B's stored
-/// answer, byte for byte.
+/// Fencing at the ledger commit: owner A has its authorization and is stuck
+/// just before its ledger phase past the in-flight timeout; B takes over,
+/// asks the acquirer again under the same key (a charge's authorization is
+/// recorded with its ledger phase, so B resumes from `reserved`: the same
+/// authorization, not a second) and commits. When A wakes, its commit is
+/// refused and it answers B's stored answer, byte for byte.
 #[test]
 fn owner_stuck_before_its_ledger_commit_is_fenced_off() {
     let (release_tx, release_rx) = crossbeam_channel::bounded::<()>(1);
@@ -401,12 +446,12 @@ fn owner_stuck_before_its_ledger_commit_is_fenced_off() {
         }));
     });
 
-    // A's lock (refreshed at its recovery point) goes stale at its ledger phase.
+    // A's lock goes stale at its ledger phase.
     stuck_owner_loses_to_takeover(&client, "stuck", 800, &at_hook_rx, &release_tx);
     assert_eq!(
         acquirer.calls(),
-        1,
-        "B resumed from A's recovery point: one acquirer call in all"
+        2,
+        "B asked again under A's key (the simulator answers it once)"
     );
     assert_eq!(stalls.load(std::sync::atomic::Ordering::SeqCst), 2);
     assert_eq!(client.all_charges().len(), 1);

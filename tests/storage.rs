@@ -856,8 +856,10 @@ fn a_full_disk_answers_503_changes_nothing_and_retries_succeed_once_space_return
 }
 
 /// The disk fills between the acquirer's authorisation and the ledger phase:
-/// the charge is told 503, its key keeps its recovery point, and once space
-/// returns the retry finishes it with the same authorisation, once.
+/// the charge is told 503, its key stays `reserved` and unlocked (a
+/// charge's authorization is recorded with the ledger phase, not before),
+/// and once space returns the retry asks the acquirer again under the same
+/// key and finishes it with the same authorisation, once.
 #[test]
 #[ignore = "needs root to mount a tmpfs; as root: cargo test --test storage -- --ignored"]
 fn a_disk_that_fills_mid_charge_leaves_a_resumable_key() {
@@ -879,24 +881,23 @@ fn a_disk_that_fills_mid_charge_leaves_a_resumable_key() {
     assert_unavailable(&r, "charge with the disk filling mid-way");
     assert_eq!(client.balance("shop"), 0, "no money moved");
     let conn = read_only(server.db_path());
-    let (state, point): (String, String) = conn
+    let (state, point, op_id): (String, String, String) = conn
         .query_row(
-            "SELECT state, recovery_point FROM idempotency_keys WHERE key = 'mid'",
+            "SELECT state, recovery_point, op_id FROM idempotency_keys WHERE key = 'mid'",
             [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
         .unwrap();
     assert_eq!(
         (state.as_str(), point.as_str()),
-        ("in_progress", "authorized")
+        ("in_progress", "reserved")
     );
-    let authorization: String = conn
-        .query_row(
-            "SELECT authorization FROM idempotency_keys WHERE key = 'mid'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let authorization = idem::acquirer::Simulator::authorizations(server.db_path())
+        .unwrap()
+        .into_iter()
+        .find(|a| a.key == op_id)
+        .expect("the acquirer authorised before the disk filled")
+        .id;
 
     std::fs::remove_file(filled.lock().unwrap().take().unwrap()).unwrap();
     let done = support::eventually(Duration::from_secs(20), || {

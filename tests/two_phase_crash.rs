@@ -1153,20 +1153,23 @@ const DECLINE_FUNDS: i64 = 1_000;
 const LATE_HOLD: i64 = 800;
 const SPENT: i64 = 900;
 
-/// A charge authorised and killed at its recovery point (`authorized`);
-/// its funds spent before it resumes; its takeover's ledger phase declines
-/// and the server is killed again between the decline record (`declined`,
-/// 402 stored) and the void; then `finisher` finishes it: the void once,
-/// under `<op_id>:void`, the 402 answered and replayed, no charge and no
-/// open authorization left.
+/// A charge authorised and killed before its ledger phase (the key still
+/// `reserved`: a charge's authorization has no commit of its own); its
+/// funds spent before it resumes; its takeover asks the acquirer again (the
+/// same authorization), its ledger phase declines, and the server is
+/// killed again between the decline record (`declined`, with the
+/// authorization and the 402 stored) and the void; then `finisher`
+/// finishes it: the void once, under `<op_id>:void`, the 402 answered and
+/// replayed, no charge and no open authorization left.
 ///
-/// `charge:after_recovery_point` fires after every authorization, so the
-/// second kill needs a takeover that skips the authorization: the key is
-/// at `authorized` already. The funds are spent by a refund of the sale
-/// that funded the wallet (a refund is no `charge`, so it does not fire).
+/// `charge:after_recovery_point` fires only where a charge records a
+/// recovery point, its decline. The funds are spent by a refund of the
+/// sale that funded the wallet (a refund is no `charge`, so no charge fault
+/// fires).
 fn decline_killed_before_its_void(finisher: Finisher) {
     let dir = TempDir::new(&format!("2pc-decline-{finisher:?}"));
     let db = dir.db();
+    let authorized_fault = "charge:after_acquirer";
     let fault = "charge:after_recovery_point";
     let late_hold = json!({"amount": LATE_HOLD, "currency": "BRL", "source": "wallet",
                            "destination": "shop", "capture": false});
@@ -1183,25 +1186,25 @@ fn decline_killed_before_its_void(finisher: Finisher) {
     let fund_id = funded.json()["id"].as_str().unwrap().to_string();
     server.kill();
 
-    // 2. The late hold is authorised; the server dies at `authorized`.
-    let server = start(&db, &REAPER_OFF, Some(fault));
+    // 2. The late hold is authorised; the server dies before its ledger
+    //    phase, the key still `reserved`.
+    let server = start(&db, &REAPER_OFF, Some(authorized_fault));
     client.addr = server.addr;
-    let first = lose_answer(server, fault, &client, "/v1/charges", &late_hold);
+    let first = lose_answer(server, authorized_fault, &client, "/v1/charges", &late_hold);
     let authorized = key_row(&db, KEY);
     assert_eq!(
         (
             authorized.state.as_str(),
             authorized.recovery_point.as_str()
         ),
-        ("in_progress", "authorized")
+        ("in_progress", "reserved")
     );
-    let auth = read_only(&db)
-        .query_row(
-            "SELECT authorization FROM idempotency_keys WHERE key = ?1",
-            [KEY],
-            |r| r.get::<_, String>(0),
-        )
-        .unwrap();
+    let auth = Simulator::authorizations(&db)
+        .expect("read the acquirer's books")
+        .into_iter()
+        .find(|a| a.key == authorized.op_id)
+        .expect("the acquirer authorised the hold")
+        .id;
     assert_eq!(at_acquirer(&db, &auth).state, "authorized");
 
     // 3. Meanwhile the funds go; the takeover's ledger phase declines,
