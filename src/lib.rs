@@ -37,6 +37,7 @@ pub mod idempotency;
 pub mod ids;
 pub mod inbound;
 pub mod json;
+pub mod keys;
 pub mod ledger;
 pub mod metrics;
 pub mod model;
