@@ -26,6 +26,7 @@ pub mod acquirer;
 pub mod api;
 pub mod app;
 pub mod backup;
+#[cfg(feature = "cli")]
 pub mod cli;
 pub mod config;
 pub mod consumers;
