@@ -15,7 +15,7 @@ use rusqlite::{Connection, ErrorCode, OpenFlags};
 use crate::config::{FaultPoint, Synchronous, BUSY_TIMEOUT, WAL_SIZE_LIMIT_BYTES};
 use crate::error::{Error, Result};
 
-pub use migrations::{migrate, Migrated, SCHEMA_VERSION};
+pub use migrations::{migrate, SCHEMA_VERSION};
 pub use readers::Readers;
 pub use writer::Writer;
 
@@ -204,7 +204,6 @@ fn in_database(path: &Path, e: Error) -> Error {
 #[derive(Debug)]
 pub struct ProcessLock {
     _file: File,
-    path: PathBuf,
 }
 
 impl ProcessLock {
@@ -219,7 +218,7 @@ impl ProcessLock {
             .open(&path)
             .map_err(|e| Error::Other(format!("cannot create {}: {e}", path.display())))?;
         match file.try_lock() {
-            Ok(()) => Ok(ProcessLock { _file: file, path }),
+            Ok(()) => Ok(ProcessLock { _file: file }),
             Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked(format!(
                 "database {} is locked by another idem serve (lock file {})",
                 db.display(),
@@ -230,9 +229,5 @@ impl ProcessLock {
                 path.display()
             ))),
         }
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
