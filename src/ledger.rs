@@ -544,6 +544,7 @@ pub fn claim_charge(
 /// cancel. Only for an operation that never reached the acquirer (`idem keys
 /// evict` of an orphaned capture or cancel at recovery point `reserved`),
 /// inside the transaction that deletes its key.
+#[cfg(any(feature = "cli", feature = "internals"))]
 pub fn release_claim(tx: &Connection, claimer: &str) -> Result<Option<String>> {
     Ok(tx
         .prepare_cached(

@@ -72,7 +72,6 @@ pub mod config;
 internal! {
     api,
     app,
-    backup,
     consumers,
     delivery,
     error,
@@ -82,7 +81,6 @@ internal! {
     ids,
     inbound,
     json,
-    keys,
     ledger,
     metrics,
     model,
@@ -93,6 +91,13 @@ internal! {
     time,
     verify,
     webhooks,
+}
+
+// The operators' tools: only the command line uses them.
+#[cfg(any(feature = "cli", feature = "internals"))]
+internal! {
+    backup,
+    keys,
 }
 
 use std::net::SocketAddr;
