@@ -68,6 +68,7 @@ impl Reply {
         self
     }
 
+    #[cfg(any(test, feature = "internals"))]
     pub fn to_stored(&self) -> StoredResponse {
         StoredResponse {
             status: self.status,
@@ -91,7 +92,8 @@ pub enum Answer {
 
 impl Answer {
     /// Blocks until the reply is there: for callers without an event loop
-    /// (benches, embedders calling the application directly).
+    /// (the benches' no-HTTP floor, through `Server::app`).
+    #[cfg(any(test, feature = "internals"))]
     pub fn wait(self) -> Reply {
         match self {
             Answer::Now(reply) => reply,

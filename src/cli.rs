@@ -1,5 +1,5 @@
-//! The command line: `serve`, `consumers create|list`, `verify`, `backup`,
-//! `migrate`. Raw flags
+//! The command line: `serve`, `consumers create|list`, `keys
+//! list|show|evict`, `verify`, `backup`, `migrate`. Raw flags
 //! (each also read from an `IDEM_*` environment variable) become a validated
 //! [`Config`] here, once.
 
@@ -14,6 +14,8 @@ use crate::config::{
     self, parse_duration, Config, FaultPoint, HttpLimits, Synchronous, WRITE_QUEUE_LEN_MAX,
 };
 use crate::error::{Error, Result};
+use crate::idempotency::IdempotencyKey;
+use crate::keys::{self, Eviction, KeyInfo};
 use crate::{backup, consumers, store, verify, Server};
 
 #[derive(Parser, Debug)]
@@ -41,6 +43,11 @@ enum Command {
     Consumers {
         #[command(subcommand)]
         command: ConsumersCommand,
+    },
+    /// Inspect and evict idempotency keys, safely while `idem serve` runs.
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
     },
     /// Check the database: integrity, foreign keys and every ledger invariant,
     /// and, where the built-in acquirer's file (`<db>.acquirer.sqlite`) is
@@ -72,6 +79,93 @@ enum ConsumersCommand {
     },
     /// List consumers (name, id, created_at); never keys.
     List,
+}
+
+#[derive(Subcommand, Debug)]
+enum KeysCommand {
+    /// List idempotency keys, newest first: state, owner, recovery point,
+    /// stored status, scope. Never a request's or an answer's body.
+    List {
+        /// Only this consumer's keys.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// Only keys in this state.
+        #[arg(long, value_enum)]
+        state: Option<StateArg>,
+        /// At most this many keys.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        limit: u32,
+        /// One JSON object on stdout: {"object": "list", "data": [...], "has_more": bool}.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        inflight: InflightArg,
+    },
+    /// Show one key: state, owner, fingerprint, recovery point, operation,
+    /// times, the stored status. Never the request kept with it nor the
+    /// stored answer's body (which may hold a webhook secret).
+    Show {
+        #[command(flatten)]
+        scope: KeyScope,
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        inflight: InflightArg,
+    },
+    /// Delete a key, so that the next request with it is new. A completed
+    /// key: always — its effect stays, and a retry with the same key and body
+    /// makes a second one (a second charge). A key in progress: refused while
+    /// its owner is alive (it proved so within --inflight-timeout); an orphan
+    /// only while it is at recovery point `reserved` and the acquirer has not
+    /// seen its operation — otherwise money has moved or is held at the
+    /// acquirer, and a retry under a new operation would authorize, capture
+    /// or void again; let a server finish such a key (a retry with it, or the
+    /// reaper), then evict the completed key. Evicting an orphaned capture or
+    /// cancel releases its claim on the hold. Exit 0 when evicted, 1 when
+    /// refused or not found.
+    Evict {
+        #[command(flatten)]
+        scope: KeyScope,
+        /// One JSON object on stdout: the key as it was, and the hold released.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        inflight: InflightArg,
+    },
+}
+
+/// Which key: consumer, path and key (the method is always POST).
+#[derive(Args, Debug)]
+struct KeyScope {
+    /// The consumer whose key it is (by name).
+    #[arg(long)]
+    consumer: String,
+    /// The concrete path the key was sent to, e.g.
+    /// /v1/charges/ch_…/capture.
+    #[arg(long, default_value = "/v1/charges", value_parser = parse_key_path)]
+    path: String,
+    /// The Idempotency-Key.
+    #[arg(value_parser = parse_idempotency_key)]
+    key: String,
+}
+
+/// `--inflight-timeout` of `idem keys`: which keys in progress are orphans.
+#[derive(Args, Debug)]
+struct InflightArg {
+    /// The running server's --inflight-timeout: a key in progress whose owner
+    /// has been silent this long is an orphan (set it as `idem serve`'s, e.g.
+    /// through the same IDEM_INFLIGHT_TIMEOUT).
+    #[arg(long = "inflight-timeout", env = "IDEM_INFLIGHT_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
+    timeout: Duration,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum StateArg {
+    #[value(name = "in_progress")]
+    InProgress,
+    #[value(name = "completed")]
+    Completed,
 }
 
 #[derive(Args, Debug)]
@@ -164,6 +258,22 @@ fn parse_positive_duration(s: &str) -> std::result::Result<Duration, String> {
     Ok(d)
 }
 
+/// A key as a client could have sent it (1–255 characters in 0x21–0x7E).
+fn parse_idempotency_key(s: &str) -> std::result::Result<String, String> {
+    IdempotencyKey::parse(s.as_bytes())
+        .map(|k| k.as_str().to_string())
+        .map_err(|_| "not an Idempotency-Key (1-255 printable ASCII characters, no space)".into())
+}
+
+/// A route path that takes an Idempotency-Key.
+fn parse_key_path(s: &str) -> std::result::Result<String, String> {
+    if s.starts_with("/v1/") && !s.contains(['?', '#']) && !s.chars().any(char::is_whitespace) {
+        Ok(s.to_string())
+    } else {
+        Err("a path such as /v1/charges or /v1/charges/ch_…/capture".into())
+    }
+}
+
 /// `HOST:PORT` with an IP address or a host name. A name is resolved once,
 /// here; of its addresses the first IPv4 one is taken (so `localhost` means
 /// 127.0.0.1, as on most machines' clients), else the first.
@@ -237,6 +347,7 @@ pub fn run() -> Result<i32> {
             }
             Ok(0)
         }
+        Command::Keys { command } => keys_command(&cli.db, command),
         Command::Verify => {
             let conn = store::open_current(&cli.db)?;
             let simulator = crate::acquirer::Simulator::store_path(&cli.db);
@@ -270,6 +381,177 @@ pub fn run() -> Result<i32> {
             print!("{}", summary.report);
             Ok(if summary.report.ok() { 0 } else { 1 })
         }
+    }
+}
+
+/// `idem keys`: on an existing database at the current schema (the key
+/// columns it reads), beside a running server if there is one.
+fn keys_command(db: &std::path::Path, command: KeysCommand) -> Result<i32> {
+    let mut conn = store::open_current(db)?;
+    let now = crate::time::now_ms();
+    match command {
+        KeysCommand::List {
+            consumer,
+            state,
+            limit,
+            json,
+            inflight,
+        } => {
+            let filter = keys::Filter {
+                consumer,
+                in_progress: state.map(|s| matches!(s, StateArg::InProgress)),
+                limit: limit as usize,
+            };
+            let (found, more) = keys::list(&conn, &filter, now, inflight.timeout)?;
+            if json {
+                /// The list as the HTTP API's lists are shaped.
+                #[derive(serde::Serialize)]
+                struct List<'a> {
+                    object: &'static str,
+                    data: &'a [KeyInfo],
+                    has_more: bool,
+                }
+                let list = List {
+                    object: "list",
+                    data: &found,
+                    has_more: more,
+                };
+                println!("{}", serde_json::to_string(&list).expect("serialisable"));
+                return Ok(0);
+            }
+            println!(
+                "{:<24} {:<16} {:<11} {:<8} {:<14} {:<6} {:<40} key",
+                "created_at", "consumer", "state", "owner", "recovery_point", "status", "path"
+            );
+            for k in &found {
+                println!(
+                    "{:<24} {:<16} {:<11} {:<8} {:<14} {:<6} {:<40} {}",
+                    k.created_at,
+                    k.consumer,
+                    k.state,
+                    k.owner.unwrap_or("-"),
+                    k.recovery_point,
+                    k.response_status.map_or("-".into(), |s| s.to_string()),
+                    k.path,
+                    k.key
+                );
+            }
+            if more {
+                eprintln!("more keys match; raise --limit to see them");
+            }
+            Ok(0)
+        }
+        KeysCommand::Show {
+            scope,
+            json,
+            inflight,
+        } => {
+            let Some(info) = keys::show(
+                &conn,
+                &scope.consumer,
+                &scope.path,
+                &scope.key,
+                now,
+                inflight.timeout,
+            )?
+            else {
+                return Err(no_such_key(&scope));
+            };
+            if json {
+                println!("{}", serde_json::to_string(&info).expect("serialisable"));
+            } else {
+                print_key(&info);
+            }
+            Ok(0)
+        }
+        KeysCommand::Evict {
+            scope,
+            json,
+            inflight,
+        } => match keys::evict(
+            &mut conn,
+            db,
+            &scope.consumer,
+            &scope.path,
+            &scope.key,
+            now,
+            inflight.timeout,
+        )? {
+            Eviction::Evicted {
+                key,
+                released_charge,
+            } => {
+                if json {
+                    /// What was evicted, and the hold whose claim was released.
+                    #[derive(serde::Serialize)]
+                    struct Evicted<'a> {
+                        evicted: &'a KeyInfo,
+                        released_charge: Option<&'a str>,
+                    }
+                    let out = Evicted {
+                        evicted: &key,
+                        released_charge: released_charge.as_deref(),
+                    };
+                    println!("{}", serde_json::to_string(&out).expect("serialisable"));
+                } else {
+                    println!(
+                        "evicted key '{}' of consumer '{}' on POST {} ({}, {}); \
+                         the next request with it is new",
+                        key.key,
+                        key.consumer,
+                        key.path,
+                        key.state,
+                        key.operation.as_deref().unwrap_or("unknown operation"),
+                    );
+                    if let Some(charge) = released_charge {
+                        println!("released the claim on charge {charge}");
+                    }
+                }
+                Ok(0)
+            }
+            Eviction::NotFound => Err(no_such_key(&scope)),
+            Eviction::Refused(why) => Err(Error::Other(format!("refused: {why}"))),
+        },
+    }
+}
+
+fn no_such_key(scope: &KeyScope) -> Error {
+    Error::Other(format!(
+        "no key '{}' of consumer '{}' on POST {} (see `idem keys list`; --path names \
+         the route the key was sent to)",
+        scope.key, scope.consumer, scope.path
+    ))
+}
+
+/// `idem keys show` as text: one field per line.
+fn print_key(k: &KeyInfo) {
+    let none = || "-".to_string();
+    let fields = [
+        ("consumer", k.consumer.clone()),
+        ("method", k.method.clone()),
+        ("path", k.path.clone()),
+        ("key", k.key.clone()),
+        ("operation", k.operation.clone().unwrap_or_else(none)),
+        ("op_id", k.op_id.clone()),
+        ("state", k.state.clone()),
+        ("owner", k.owner.map_or_else(none, str::to_string)),
+        ("recovery_point", k.recovery_point.clone()),
+        ("generation", k.generation.to_string()),
+        ("fingerprint", k.fingerprint.clone()),
+        (
+            "authorization",
+            k.authorization.clone().unwrap_or_else(none),
+        ),
+        ("created_at", k.created_at.clone()),
+        ("locked_at", k.locked_at.clone().unwrap_or_else(none)),
+        ("completed_at", k.completed_at.clone().unwrap_or_else(none)),
+        (
+            "response_status",
+            k.response_status.map_or_else(none, |s| s.to_string()),
+        ),
+    ];
+    for (name, value) in fields {
+        println!("{name:<16} {value}");
     }
 }
 

@@ -18,15 +18,23 @@ pub const IDEMPOTENCY_KEY_LEN_MAX: usize = 255;
 /// sum of two amounts never overflows and balances overflow only after
 /// thousands of maximal charges, which checked arithmetic turns into an outcome.
 pub const AMOUNT_MINOR_MAX: i64 = 1_000_000_000_000_000;
+/// Longest charge `reference`, in bytes.
 pub const REFERENCE_LEN_MAX: usize = 128;
+/// Longest charge `description`, in bytes.
 pub const DESCRIPTION_LEN_MAX: usize = 500;
+/// Most keys in one `metadata` object.
 pub const METADATA_KEYS_MAX: usize = 50;
+/// Longest `metadata` key, in bytes.
 pub const METADATA_KEY_LEN_MAX: usize = 40;
+/// Longest `metadata` string value, in bytes.
 pub const METADATA_VALUE_LEN_MAX: usize = 500;
+/// Longest account id (chosen by the client), in bytes.
 pub const ACCOUNT_ID_LEN_MAX: usize = 64;
+/// Longest consumer name (A-Z a-z 0-9 _ - .).
 pub const CONSUMER_NAME_LEN_MAX: usize = 64;
 /// Page size of list endpoints: 1 ..= 100, default 10.
 pub const LIST_LIMIT_MAX: usize = 100;
+/// Page size of list endpoints without `limit`.
 pub const LIST_LIMIT_DEFAULT: usize = 10;
 /// Write commands waiting for the writer thread. A full queue answers 503 at
 /// once instead of piling up requests that would time out anyway.
@@ -69,6 +77,8 @@ pub const AUTHORIZATION_TTL_MAX: Duration = Duration::from_secs(365 * 24 * 3600)
 /// The longest duration any flag takes (100 years): past it a value is a
 /// typo, and every duration then fits the i64 milliseconds of the database.
 pub const DURATION_MAX: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+/// Completed keys (or events) one reaper delete removes, each batch its
+/// own short transaction.
 pub const REAPER_DELETE_BATCH_LEN: usize = 500;
 /// How long events are kept (`--event-retention`): 30 days, long past any
 /// webhook retry schedule (the last of 12 attempts falls within a day), so
@@ -248,6 +258,7 @@ pub enum Synchronous {
 }
 
 impl Synchronous {
+    /// The value of SQLite's `PRAGMA synchronous`.
     pub fn pragma(self) -> &'static str {
         match self {
             Synchronous::Full => "FULL",
@@ -299,6 +310,8 @@ impl FaultPoint {
         }
     }
 
+    /// `after_reserve`, `after_acquirer`, `after_recovery_point`,
+    /// `after_commit`, `in_migration`, `in_notification`.
     pub fn parse(s: &str) -> Option<FaultPoint> {
         Some(match s {
             "after_reserve" => FaultPoint::AfterReserve,
@@ -343,10 +356,21 @@ impl std::fmt::Debug for Hooks {
 /// above zero ([`HttpLimits::validate`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HttpLimits {
+    /// A client must send a request's headers within this
+    /// (`--header-read-timeout`); it also bounds how long a keep-alive
+    /// connection waits for its next request.
     pub header_read_timeout: Duration,
+    /// A declared body must arrive within this once the headers are in
+    /// (`--body-read-timeout`; else 400 and close).
     pub body_read_timeout: Duration,
+    /// A connection with no request in flight and no byte moving for this
+    /// long is closed (`--idle-timeout`).
     pub idle_timeout: Duration,
+    /// Header bytes per request, request line included (more: 431;
+    /// `--header-bytes-max`).
     pub header_bytes_max: usize,
+    /// Open connections; the next one is answered 503 and closed
+    /// (`--connections-max`).
     pub connections_max: usize,
 }
 
@@ -391,11 +415,24 @@ impl HttpLimits {
 /// Everything `idem serve` (or an embedded server) needs.
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// The SQLite database file, created (with the schema) if missing and
+    /// migrated if older; `<db>.lock`, `<db>.acquirer.sqlite` and SQLite's
+    /// `-wal`/`-shm` files live beside it.
     pub db: PathBuf,
+    /// Where to listen. [`Config::new`] says `127.0.0.1:0`: a free port
+    /// chosen by the system ([`crate::Server::url`] tells which), so servers
+    /// of tests running in parallel never collide.
     pub addr: SocketAddr,
+    /// HTTP worker threads (default: CPU count × 4, at least 4).
     pub workers: usize,
+    /// How long a completed idempotency key is kept and replayed
+    /// (`--key-retention`, default 24 h).
     pub key_retention: Duration,
+    /// An in-progress key whose owner is silent this long is an orphan and
+    /// may be taken over (`--inflight-timeout`, default 60 s).
     pub inflight_timeout: Duration,
+    /// How often the reaper completes orphans, expires holds and deletes
+    /// what is past retention (`--reaper-interval`, default 10 s).
     pub reaper_interval: Duration,
     /// How long the built-in simulator takes to decide an authorization.
     pub acquirer_latency: Duration,
@@ -405,10 +442,15 @@ pub struct Config {
     /// server refuses to start; `None`: [`ACQUIRER_TIMEOUT_DEFAULT`] or that
     /// bound, whichever is shorter ([`Config::effective_acquirer_timeout`]).
     pub acquirer_timeout: Option<Duration>,
+    /// SQLite's durability mode (`--synchronous`, default [`Synchronous::Full`]).
     pub synchronous: Synchronous,
+    /// Most write commands committed in one transaction
+    /// (`--commit-batch-max`; 1 = one transaction per command).
     pub commit_batch_max: usize,
     /// The HTTP engine's limits (timeouts, header bytes, connection cap).
     pub http: HttpLimits,
+    /// Abort the process at this point of an operation, to simulate a crash
+    /// (crash tests; `IDEM_FAULT`). Never set it in production.
     pub fault: Option<FaultPoint>,
     /// With `fault`: only operations of this kind (`charge`, `capture`,
     /// `cancel`, `refund`, `account`, or the reaper's `expiry` of a hold)
@@ -427,6 +469,7 @@ pub struct Config {
     pub webhook_attempts_max: u32,
     /// How far an inbound notification's timestamp may be from now.
     pub notification_tolerance: Duration,
+    /// Code run at chosen points of an operation (tests only).
     pub hooks: Hooks,
     /// Run `idem verify`'s checks before serving and refuse a database that
     /// fails them (`--skip-verify` turns this off).
@@ -434,10 +477,25 @@ pub struct Config {
 }
 
 impl Config {
+    /// The defaults of `idem serve` on database `db`, except the address:
+    /// `127.0.0.1:0`, a free port, where `idem serve` defaults to 8080.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let mut config = idem::Config::new("/var/lib/idem/idem.db");
+    /// config.addr = "127.0.0.1:8080".parse().unwrap();
+    /// config.inflight_timeout = Duration::from_secs(10);
+    /// // At most half the in-flight timeout, or the server refuses to start.
+    /// config.acquirer_timeout = Some(Duration::from_secs(5));
+    /// config.synchronous = idem::Synchronous::Full;
+    /// assert!(config.validate().is_ok());
+    /// assert_eq!(config.effective_acquirer_timeout(), Duration::from_secs(5));
+    /// ```
     pub fn new(db: impl Into<PathBuf>) -> Config {
         Config {
             db: db.into(),
-            addr: "127.0.0.1:8080".parse().expect("valid literal address"),
+            addr: "127.0.0.1:0".parse().expect("valid literal address"),
             workers: default_workers(),
             key_retention: KEY_RETENTION_DEFAULT,
             inflight_timeout: Duration::from_secs(60),

@@ -72,6 +72,7 @@ pub fn create(conn: &Connection, name: &str) -> Result<(Consumer, String)> {
     Ok((consumer, key))
 }
 
+#[cfg(any(feature = "cli", feature = "internals"))]
 pub fn list(conn: &Connection) -> Result<Vec<Consumer>> {
     let mut stmt =
         conn.prepare_cached("SELECT id, public_id, name, created_at FROM consumers ORDER BY id")?;

@@ -3,12 +3,15 @@
 
 use std::fmt;
 
+/// What went wrong in the machinery: the database, I/O, the configuration.
+/// A business outcome (a decline, insufficient funds) is never an `Error`.
 #[derive(Debug)]
 pub enum Error {
     /// SQLite answered with an error.
     Db(rusqlite::Error),
     /// The reader pool could not hand out a connection.
     Pool(String),
+    /// A file or socket operation failed.
     Io(std::io::Error),
     /// The writer thread is gone or its queue is full: retry later.
     Unavailable(&'static str),
@@ -19,7 +22,9 @@ pub enum Error {
     Acquirer(String),
     /// The database was written by a newer idem.
     SchemaTooNew {
+        /// The database's schema version.
         found: i64,
+        /// The newest this build knows.
         supported: i64,
     },
     /// Another `idem serve` holds the database.
@@ -33,6 +38,7 @@ pub enum Error {
     Other(String),
 }
 
+/// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {

@@ -126,8 +126,6 @@ pub fn record<T: Serialize>(
 /// One stored event: its body as it was rendered.
 #[derive(Debug, Clone)]
 pub struct StoredEvent {
-    pub id: i64,
-    pub public_id: String,
     pub body: Vec<u8>,
 }
 
@@ -135,14 +133,10 @@ pub struct StoredEvent {
 pub fn get(conn: &Connection, consumer_id: i64, public_id: &str) -> Result<Option<StoredEvent>> {
     Ok(conn
         .prepare_cached(
-            "SELECT id, public_id, body FROM events WHERE consumer_id = ?1 AND public_id = ?2",
+            "SELECT body FROM events WHERE consumer_id = ?1 AND public_id = ?2",
         )?
         .query_row(params![consumer_id, public_id], |r| {
-            Ok(StoredEvent {
-                id: r.get(0)?,
-                public_id: r.get(1)?,
-                body: r.get(2)?,
-            })
+            Ok(StoredEvent { body: r.get(0)? })
         })
         .optional()?)
 }

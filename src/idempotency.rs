@@ -23,7 +23,6 @@ pub struct IdempotencyKey(String);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyError {
-    Missing,
     Invalid,
 }
 

@@ -539,6 +539,22 @@ pub fn claim_charge(
     Ok(ClaimOutcome::Claimed)
 }
 
+/// Releases the claim the operation `claimer` holds on a hold, if any, and
+/// returns that charge's id: the hold is free again for the next capture or
+/// cancel. Only for an operation that never reached the acquirer (`idem keys
+/// evict` of an orphaned capture or cancel at recovery point `reserved`),
+/// inside the transaction that deletes its key.
+#[cfg(any(feature = "cli", feature = "internals"))]
+pub fn release_claim(tx: &Connection, claimer: &str) -> Result<Option<String>> {
+    Ok(tx
+        .prepare_cached(
+            "UPDATE charges SET claimed_by = NULL WHERE claimed_by = ?1 \
+             AND status = 'requires_capture' RETURNING public_id",
+        )?
+        .query_row([claimer], |r| r.get(0))
+        .optional()?)
+}
+
 /// The authorization and the amount to capture of the charge `claimer`
 /// claimed (for an owner that resumes a capture or a cancel).
 pub fn claimed_charge(

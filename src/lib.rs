@@ -10,7 +10,7 @@
 //! temporary database, points the client at [`Server::url`], provokes
 //! timeouts and conflicts, and drops the server:
 //!
-//! ```no_run
+//! ```
 //! let server = idem::Server::start_temporary(|config| {
 //!     config.acquirer_latency = std::time::Duration::from_millis(200);
 //! })?;
@@ -20,33 +20,85 @@
 //! # Ok::<(), idem::Error>(())
 //! ```
 //!
+//! # What an embedder sees
+//!
+//! - [`Server`]: start (on a database of yours or a temporary one, with the
+//!   built-in acquirer simulator or an [`acquirer::Acquirer`] of yours),
+//!   [`Server::url`], consumers, one reaper pass on demand, shutdown.
+//! - [`Config`] and its parts ([`HttpLimits`], [`Synchronous`], [`Hooks`],
+//!   [`FaultPoint`]); the named limits in [`config`].
+//! - [`acquirer`]: the [`acquirer::Acquirer`] trait, its types, and the
+//!   built-in [`acquirer::Simulator`] (its journal, for a test's
+//!   assertions).
+//! - [`Error`] and [`Result`].
+//!
+//! Clients speak to the server over HTTP (the contract is `openapi.json`,
+//! served at `/openapi.json`), so the ledger's own types stay inside.
+//!
+//! # Features
+//!
+//! - `cli` (default): the `idem` binary and [`cli`]. An embedder depends on
+//!   idem with `default-features = false` and gets neither clap nor
+//!   env_logger:
+//!   `idem = { path = "…", default-features = false }`.
+//! - `internals`: idem's internal modules made public, hidden from these
+//!   docs, for idem's own integration tests, benches and fuzz targets. Not an
+//!   interface; it changes with any commit.
+//!
 //! See ARCHITECTURE.md for the code map and the invariants.
 
+#![deny(missing_docs)]
+
+/// Declares the crate's internal modules: private in the library an embedder
+/// sees; public but hidden from the documentation with the `internals`
+/// feature, which only idem's own integration tests, benches and fuzz
+/// targets turn on (through the dev-dependency of the crate on itself, and
+/// `fuzz/Cargo.toml`). Nothing under them is a stable interface.
+macro_rules! internal {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "internals")]
+        #[doc(hidden)]
+        pub mod $name;
+        #[cfg(not(feature = "internals"))]
+        mod $name;
+    )*};
+}
+
 pub mod acquirer;
-pub mod api;
-pub mod app;
-pub mod backup;
+#[cfg(feature = "cli")]
 pub mod cli;
 pub mod config;
-pub mod consumers;
-pub mod delivery;
-pub mod error;
-pub mod events;
-pub mod http;
-pub mod idempotency;
-pub mod ids;
-pub mod inbound;
-pub mod json;
-pub mod ledger;
-pub mod metrics;
-pub mod model;
-pub mod pool;
-pub mod reaper;
-pub mod signature;
-pub mod store;
-pub mod time;
-pub mod verify;
-pub mod webhooks;
+
+internal! {
+    api,
+    app,
+    consumers,
+    delivery,
+    error,
+    events,
+    http,
+    idempotency,
+    ids,
+    inbound,
+    json,
+    ledger,
+    metrics,
+    model,
+    pool,
+    reaper,
+    signature,
+    store,
+    time,
+    verify,
+    webhooks,
+}
+
+// The operators' tools: only the command line uses them.
+#[cfg(any(feature = "cli", feature = "internals"))]
+internal! {
+    backup,
+    keys,
+}
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -63,7 +115,7 @@ use metrics::Metrics;
 use reaper::Reaper;
 use store::{ProcessLock, Readers, Writer};
 
-pub use config::{Config, Synchronous};
+pub use config::{Config, FaultPoint, Hooks, HttpLimits, Synchronous};
 pub use error::{Error, Result};
 
 /// A running idem server: HTTP front end, workers, writer, reaper. Shuts down
@@ -98,15 +150,94 @@ impl Server {
         Server::start_locked(config, lock, Arc::new(acquirer))
     }
 
-    /// Starts a server on `127.0.0.1:0` on a fresh database in a temporary
-    /// directory that is removed on shutdown; `configure` may change any
-    /// other option.
+    /// Starts a server on `127.0.0.1:0` (a free port) on a fresh database in
+    /// a temporary directory that is removed when the server stops;
+    /// `configure` may change any other option. Servers started so never
+    /// collide, however many tests run at once.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let server = idem::Server::start_temporary(|config| {
+    ///     config.inflight_timeout = Duration::from_secs(2);
+    ///     config.reaper_interval = Duration::from_millis(100);
+    /// })?;
+    /// assert!(server.url().starts_with("http://127.0.0.1:"));
+    /// assert_ne!(server.addr().port(), 0);
+    /// let db = server.db_path().to_path_buf();
+    /// assert!(db.exists());
+    /// // The first start on a new database creates the `default` consumer.
+    /// assert!(server.initial_key().unwrap().starts_with("sk_"));
+    /// server.shutdown();
+    /// assert!(!db.exists(), "the temporary directory is gone");
+    /// # Ok::<(), idem::Error>(())
+    /// ```
     pub fn start_temporary(configure: impl FnOnce(&mut Config)) -> Result<Server> {
-        let temp = TempDir::new()?;
-        let mut config = Config::new(temp.path().join("idem.db"));
-        config.addr = SocketAddr::from(([127, 0, 0, 1], 0));
-        configure(&mut config);
+        let (temp, config) = temporary_config(configure)?;
         let mut server = Server::start(config)?;
+        server._temp = Some(temp);
+        Ok(server)
+    }
+
+    /// [`Server::start_temporary`] with `acquirer` instead of the simulator:
+    /// a temporary database, a free port, and a third party of the test's
+    /// making (slow, failing, counting).
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    /// use std::sync::Arc;
+    /// use std::time::{Duration, Instant};
+    ///
+    /// use idem::acquirer::{Acquirer, Authorization, Simulator, Unavailable};
+    ///
+    /// /// The simulator, failing its first `failures` authorizations as an
+    /// /// outage would: the server answers 503 and the retry succeeds.
+    /// struct Flaky {
+    ///     inner: Simulator,
+    ///     failures: AtomicUsize,
+    /// }
+    ///
+    /// impl Acquirer for Flaky {
+    ///     fn authorize(&self, key: &str, amount: i64, currency: &str, capture: bool,
+    ///                  deadline: Instant) -> Result<Authorization, Unavailable> {
+    ///         let left = self.failures.load(Ordering::SeqCst);
+    ///         if left > 0 {
+    ///             self.failures.store(left - 1, Ordering::SeqCst);
+    ///             return Err(Unavailable("connection reset".into()));
+    ///         }
+    ///         self.inner.authorize(key, amount, currency, capture, deadline)
+    ///     }
+    ///     fn capture(&self, key: &str, authorization: &str, amount: i64,
+    ///                deadline: Instant) -> Result<(), Unavailable> {
+    ///         self.inner.capture(key, authorization, amount, deadline)
+    ///     }
+    ///     fn void(&self, key: &str, authorization: &str, deadline: Instant)
+    ///             -> Result<(), Unavailable> {
+    ///         self.inner.void(key, authorization, deadline)
+    ///     }
+    ///     fn refund(&self, key: &str, authorization: &str, amount: i64,
+    ///               deadline: Instant) -> Result<(), Unavailable> {
+    ///         self.inner.refund(key, authorization, amount, deadline)
+    ///     }
+    /// }
+    ///
+    /// let flaky = Arc::new(Flaky {
+    ///     inner: Simulator::new(Duration::ZERO),
+    ///     failures: AtomicUsize::new(1),
+    /// });
+    /// let server = idem::Server::start_temporary_with_acquirer(flaky, |config| {
+    ///     config.workers = 4;
+    /// })?;
+    /// println!("a flaky acquirer behind {}", server.url());
+    /// server.shutdown();
+    /// # Ok::<(), idem::Error>(())
+    /// ```
+    pub fn start_temporary_with_acquirer(
+        acquirer: Arc<dyn Acquirer>,
+        configure: impl FnOnce(&mut Config),
+    ) -> Result<Server> {
+        let (temp, config) = temporary_config(configure)?;
+        let mut server = Server::start_with_acquirer(config, acquirer)?;
         server._temp = Some(temp);
         Ok(server)
     }
@@ -209,10 +340,14 @@ impl Server {
         &self.url
     }
 
+    /// The address the server listens on (the port the system chose for
+    /// port 0).
     pub fn addr(&self) -> SocketAddr {
         self.http.as_ref().expect("running").addr()
     }
 
+    /// The database file (for a temporary server, inside its temporary
+    /// directory: gone once the server stops).
     pub fn db_path(&self) -> &Path {
         &self.app.config.db
     }
@@ -230,8 +365,10 @@ impl Server {
     }
 
     /// The application behind the HTTP front end: every operation as a
-    /// synchronous call, for benches (the no-HTTP floor) and for embedders
-    /// who want the ledger without HTTP.
+    /// synchronous call, for benches (the no-HTTP floor). Internal: only
+    /// with the `internals` feature.
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
     pub fn app(&self) -> &Arc<App> {
         &self.app
     }
@@ -303,6 +440,16 @@ fn refuse_memory(config: &Config) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// A new temporary directory and the configuration of a server on a database
+/// in it, listening on a free port, after `configure`.
+fn temporary_config(configure: impl FnOnce(&mut Config)) -> Result<(TempDir, Config)> {
+    let temp = TempDir::new()?;
+    let mut config = Config::new(temp.path().join("idem.db"));
+    config.addr = SocketAddr::from(([127, 0, 0, 1], 0));
+    configure(&mut config);
+    Ok((temp, config))
 }
 
 /// A directory removed (with its contents) on drop.

@@ -33,6 +33,7 @@ pub fn show_secret(key: &[u8]) -> String {
 }
 
 /// The key of a `whsec_...` secret (`None` if it is not one).
+#[cfg(any(test, feature = "internals"))]
 pub fn parse_secret(secret: &str) -> Option<Vec<u8>> {
     BASE64
         .decode(secret.strip_prefix(SECRET_PREFIX).unwrap_or(secret))

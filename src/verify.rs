@@ -10,7 +10,6 @@
 //! 2^64 rows).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 
 use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode};
@@ -350,6 +349,7 @@ const CHECKS: &[(&str, Check)] = &[
 /// authorizations it still remembers against the ledger, which keeps every
 /// charge; an operation still in progress may be between its acquirer call
 /// and its ledger commit, and is not a violation.
+#[cfg(any(feature = "cli", feature = "internals"))]
 const ACQUIRER_CHECKS: &[(&str, &str)] = &[
     (
         "an authorization open at the acquirer belongs to a held charge",
@@ -408,7 +408,8 @@ pub fn verify(conn: &Connection) -> Result<Report> {
 /// operation in progress), every capture is a succeeded charge that
 /// captured as much, every void a charge that holds and moved nothing, and
 /// the refunds agree.
-pub fn verify_with_acquirer(conn: &Connection, simulator: &Path) -> Result<Report> {
+#[cfg(any(feature = "cli", feature = "internals"))]
+pub fn verify_with_acquirer(conn: &Connection, simulator: &std::path::Path) -> Result<Report> {
     let mut report = verify(conn)?;
     if !simulator.exists() || report.invariants_skipped_at.is_some() {
         return Ok(report);

@@ -358,6 +358,28 @@ impl Simulator {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
+    /// Whether the simulator of database `db` has heard of the operation
+    /// `op_id`: a call journaled, or an authorization or an operation kept,
+    /// under its key or a key derived from it (`<op_id>:void`). `false` when
+    /// there is no simulator file. Safe to call while the server runs.
+    pub fn knows_operation(db: &Path, op_id: &str) -> Result<bool> {
+        let Some(conn) = open_for_reading(db)? else {
+            return Ok(false);
+        };
+        // Exact comparisons (LIKE would read `_` in an id as a wildcard).
+        let derived = format!("{op_id}:");
+        Ok(conn.query_row(
+            "SELECT EXISTS (SELECT 1 FROM calls WHERE key = ?1 \
+               OR substr(key, 1, length(?2)) = ?2) \
+             OR EXISTS (SELECT 1 FROM authorizations WHERE key = ?1 \
+               OR substr(key, 1, length(?2)) = ?2) \
+             OR EXISTS (SELECT 1 FROM operations WHERE key = ?1 \
+               OR substr(key, 1, length(?2)) = ?2)",
+            rusqlite::params![op_id, derived],
+            |r| r.get(0),
+        )?)
+    }
+
     /// Every authorization the simulator of database `db` remembers, oldest
     /// first; empty if it has none.
     pub fn authorizations(db: &Path) -> Result<Vec<StoredAuthorization>> {

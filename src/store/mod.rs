@@ -10,12 +10,12 @@ mod writer;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 
-use rusqlite::{Connection, ErrorCode, OpenFlags};
+use rusqlite::{Connection, ErrorCode};
 
 use crate::config::{FaultPoint, Synchronous, BUSY_TIMEOUT, WAL_SIZE_LIMIT_BYTES};
 use crate::error::{Error, Result};
 
-pub use migrations::{migrate, Migrated, SCHEMA_VERSION};
+pub use migrations::{migrate, SCHEMA_VERSION};
 pub use readers::Readers;
 pub use writer::Writer;
 
@@ -61,6 +61,7 @@ pub fn open_rw(
 /// its schema, for the commands that only read or check it (`verify`,
 /// `backup`, `consumers list`, `migrate`). A database newer than this build
 /// is refused.
+#[cfg(any(feature = "cli", feature = "internals"))]
 pub fn open_existing(path: &Path) -> Result<Connection> {
     if path.is_dir() {
         return Err(Error::Other(format!(
@@ -74,7 +75,7 @@ pub fn open_existing(path: &Path) -> Result<Connection> {
             path.display()
         )));
     }
-    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE)
+    let conn = Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE)
         .map_err(|e| cannot_open(path, e))?;
     conn.busy_timeout(BUSY_TIMEOUT)?;
     let found = migrations::version(&conn).map_err(|e| in_database(path, e))?;
@@ -92,6 +93,7 @@ pub fn open_existing(path: &Path) -> Result<Connection> {
 
 /// [`open_existing`], refusing a database at an older schema version too:
 /// the checks of `idem verify` are written for the current schema.
+#[cfg(any(feature = "cli", feature = "internals"))]
 pub fn open_current(path: &Path) -> Result<Connection> {
     let conn = open_existing(path)?;
     let found = migrations::version(&conn)?;
@@ -204,7 +206,6 @@ fn in_database(path: &Path, e: Error) -> Error {
 #[derive(Debug)]
 pub struct ProcessLock {
     _file: File,
-    path: PathBuf,
 }
 
 impl ProcessLock {
@@ -219,7 +220,7 @@ impl ProcessLock {
             .open(&path)
             .map_err(|e| Error::Other(format!("cannot create {}: {e}", path.display())))?;
         match file.try_lock() {
-            Ok(()) => Ok(ProcessLock { _file: file, path }),
+            Ok(()) => Ok(ProcessLock { _file: file }),
             Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked(format!(
                 "database {} is locked by another idem serve (lock file {})",
                 db.display(),
@@ -230,9 +231,5 @@ impl ProcessLock {
                 path.display()
             ))),
         }
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
