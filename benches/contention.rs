@@ -1239,7 +1239,14 @@ subscribed/none throughput: {}",
                         n += 1;
                         let started = Instant::now();
                         let reply = app
-                            .create_charge(consumer, k, idem::idempotency::Mode::Sync, &body, req)
+                            .create_charge(
+                                consumer,
+                                k,
+                                idem::idempotency::Mode::Sync,
+                                &body,
+                                req,
+                                Default::default(),
+                            )
                             .wait();
                         t.latencies_us.push(started.elapsed().as_micros() as u64);
                         *t.by_status.entry(reply.status).or_default() += 1;
