@@ -98,15 +98,20 @@ impl ServerProc {
 
     /// CPU time the server process has used so far (user + system), in ms.
     fn cpu_ms(&self) -> f64 {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))
-            .unwrap_or_default();
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
         // Fields after the command name (which may hold spaces), from its ')'.
         let fields: Vec<&str> = stat
             .rsplit_once(')')
             .map_or("", |(_, rest)| rest)
             .split_whitespace()
             .collect();
-        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+        let ticks = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|f| f.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
         // utime and stime are fields 14 and 15 of stat(5), 11 and 12 here;
         // clock ticks of 10 ms (USER_HZ = 100 on Linux).
         (ticks(11) + ticks(12)) * 10.0
@@ -782,7 +787,10 @@ impl Bench {
             // else the machine runs meanwhile (throughput is not).
             let cpu_us = (server.cpu_ms() - cpu_before) * 1000.0 / run.ok().max(1) as f64;
             assert_one_charge_per_201(&server, &run);
-            println!("round: {label} {:.0}/s, {cpu_us:.0} µs CPU per charge", run.rate());
+            println!(
+                "round: {label} {:.0}/s, {cpu_us:.0} µs CPU per charge",
+                run.rate()
+            );
             let mut r = row(&format!("{label}, {conns} conns"), &run, conns);
             r["server_cpu_us_per_charge"] = json!(cpu_us);
             rounds[i].push(r);
@@ -1275,7 +1283,14 @@ subscribed/none throughput: {}",
                         n += 1;
                         let started = Instant::now();
                         let reply = app
-                            .create_charge(consumer, k, idem::idempotency::Mode::Sync, &body, req)
+                            .create_charge(
+                                consumer,
+                                k,
+                                idem::idempotency::Mode::Sync,
+                                &body,
+                                req,
+                                Default::default(),
+                            )
                             .wait();
                         t.latencies_us.push(started.elapsed().as_micros() as u64);
                         *t.by_status.entry(reply.status).or_default() += 1;

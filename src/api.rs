@@ -24,6 +24,22 @@ pub struct Reply {
     pub body: Vec<u8>,
     /// Close the connection after this response (the body was not read).
     pub close: bool,
+    /// How the engine hands it over: at once, after a wait, or not at all
+    /// (the sandbox's `response=` and `crash=` directives).
+    pub handover: Handover,
+}
+
+/// How the HTTP engine hands a [`Reply`] over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Handover {
+    /// Send it now (every reply outside the sandbox).
+    #[default]
+    Send,
+    /// Send it after this long, on the connection task: no thread waits.
+    After(std::time::Duration),
+    /// Close the connection without answering, as a crashed process or a
+    /// lost answer would.
+    Abandon,
 }
 
 impl Reply {
@@ -42,6 +58,17 @@ impl Reply {
             headers: Vec::new(),
             body,
             close: false,
+            handover: Handover::Send,
+        }
+    }
+
+    /// No answer at all: the connection is closed unanswered (a sandbox
+    /// crash or `response=drop`). Seen without HTTP ([`Answer::wait`]) it
+    /// is a 500, since nothing was answered.
+    pub fn abandoned() -> Reply {
+        Reply {
+            handover: Handover::Abandon,
+            ..Problem::Internal.reply()
         }
     }
 
@@ -199,6 +226,11 @@ pub enum Problem {
     /// (`amount_captured - amount_refunded - amount_disputed`).
     DisputeExceedsCharge,
     TemporarilyUnavailable(String),
+    /// The acquirer declined the authorization (in the sandbox:
+    /// `Idem-Simulate: acquirer=decline`); stored and replayed.
+    CardDeclined,
+    /// An `Idem-Simulate` header outside sandbox mode.
+    SimulationDisabled,
     Internal,
 }
 
@@ -216,10 +248,11 @@ impl Problem {
         match self {
             Problem::InvalidRequest(_)
             | Problem::IdempotencyKeyMissing
-            | Problem::IdempotencyKeyInvalid => 400,
+            | Problem::IdempotencyKeyInvalid
+            | Problem::SimulationDisabled => 400,
             Problem::WebhookIdInvalid => 400,
             Problem::Unauthorized | Problem::SignatureInvalid(_) => 401,
-            Problem::InsufficientFunds => 402,
+            Problem::InsufficientFunds | Problem::CardDeclined => 402,
             Problem::NotFound | Problem::AccountNotFound => 404,
             Problem::MethodNotAllowed { .. } => 405,
             Problem::IdempotencyKeyInUse
@@ -264,6 +297,8 @@ impl Problem {
             Problem::WebhookIdInvalid => "idempotency-key-invalid",
             Problem::DisputeExceedsCharge => "dispute-exceeds-charge",
             Problem::TemporarilyUnavailable(_) => "temporarily-unavailable",
+            Problem::CardDeclined => "card-declined",
+            Problem::SimulationDisabled => "simulation-disabled",
             Problem::Internal => "internal-error",
         }
     }
@@ -293,6 +328,8 @@ impl Problem {
             Problem::WebhookIdInvalid => "webhook-id header invalid",
             Problem::DisputeExceedsCharge => "Dispute exceeds charge",
             Problem::TemporarilyUnavailable(_) => "Temporarily unavailable",
+            Problem::CardDeclined => "Card declined",
+            Problem::SimulationDisabled => "Simulation disabled",
             Problem::Internal => "Internal error",
         }
     }
@@ -352,6 +389,10 @@ impl Problem {
                 "a consumer may have at most {} webhook endpoints; delete one first",
                 crate::config::WEBHOOK_ENDPOINTS_MAX
             ),
+            Problem::CardDeclined => "the acquirer declined the authorization".into(),
+            Problem::SimulationDisabled => {
+                "Idem-Simulate is honoured only by a server started with --sandbox".into()
+            }
             Problem::Internal => "an internal error occurred; the request can be retried".into(),
         }
     }

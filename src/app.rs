@@ -17,7 +17,7 @@ use rusqlite::Connection;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::acquirer::Acquirer;
+use crate::acquirer::{Acquirer, AuthorizeOutcome, Declined};
 use crate::api::{Answer, Deliver, Problem, Reply, JSON};
 use crate::config::{
     Config, FaultPoint, ACQUIRER_OVERRUN_TOLERANCE, OPERATION_QUEUE_LEN_MAX, OPERATION_THREADS,
@@ -41,6 +41,7 @@ use crate::model::{
     RefundRequest, WebhookEndpointRequest,
 };
 use crate::pool::{Pool, Task};
+use crate::sandbox::{AcquirerFault, CrashPoint, Directive, Directives, Registered, Sandbox};
 use crate::store::{Readers, Writer};
 use crate::time::now_ms;
 use crate::webhooks::{self, CreateOutcome, DeletedObject, Recorded};
@@ -62,6 +63,9 @@ pub struct App {
     /// Held for a whole reaper pass, so that the reaper thread and
     /// `Server::reap_now` never expire the same hold at once.
     reaping: std::sync::Mutex<()>,
+    /// The sandbox's scripts and the faults of the attempts running now
+    /// (all empty outside sandbox mode).
+    sandbox: Arc<Sandbox>,
     /// Itself, for the tasks it hands to its pools.
     me: Weak<App>,
 }
@@ -127,6 +131,7 @@ impl App {
         metrics: Arc<Metrics>,
     ) -> Arc<App> {
         Arc::new_cyclic(|me| App {
+            sandbox: Arc::new(Sandbox::new(config.sandbox)),
             config,
             metrics,
             writer,
@@ -146,6 +151,11 @@ impl App {
         self.reservations.stop();
         self.operations.stop();
         self.writer.stop();
+    }
+
+    /// The sandbox: whether it is on, and its scripted faults.
+    pub fn sandbox(&self) -> &Sandbox {
+        &self.sandbox
     }
 
     fn me(&self) -> Arc<App> {
@@ -229,6 +239,7 @@ impl App {
                 mode,
                 idempotency::fingerprint(body),
                 Operation::Account(req),
+                Directives::default(),
             ),
             // No key: the natural id (if any) is the only protection, and
             // the work is one transaction, so there is nothing to track.
@@ -244,6 +255,8 @@ impl App {
         }
     }
 
+    /// `POST /v1/charges`. `faults` are the sandbox's in-attempt faults
+    /// for this attempt (`Directives::default()`: none).
     pub fn create_charge(
         &self,
         consumer: i64,
@@ -251,6 +264,7 @@ impl App {
         mode: Mode,
         body: &Value,
         req: ChargeRequest,
+        faults: Directives,
     ) -> Answer {
         let fp = idempotency::fingerprint(body);
         self.idempotent(
@@ -260,9 +274,11 @@ impl App {
             mode,
             fp,
             Operation::Charge(req),
+            faults,
         )
     }
 
+    /// `POST /v1/charges/{id}/refunds`, with the sandbox's `faults`.
     pub fn create_refund(
         &self,
         consumer: i64,
@@ -270,13 +286,22 @@ impl App {
         mode: Mode,
         body: &Value,
         req: RefundRequest,
+        faults: Directives,
     ) -> Answer {
         let path = format!("/v1/charges/{}/refunds", req.charge);
         let fp = idempotency::fingerprint(body);
-        self.idempotent(consumer, path, key, mode, fp, Operation::Refund(req))
+        self.idempotent(
+            consumer,
+            path,
+            key,
+            mode,
+            fp,
+            Operation::Refund(req),
+            faults,
+        )
     }
 
-    /// `POST /v1/charges/{id}/capture`.
+    /// `POST /v1/charges/{id}/capture`, with the sandbox's `faults`.
     pub fn create_capture(
         &self,
         consumer: i64,
@@ -284,13 +309,22 @@ impl App {
         mode: Mode,
         body: &Value,
         req: CaptureRequest,
+        faults: Directives,
     ) -> Answer {
         let path = format!("/v1/charges/{}/capture", req.charge);
         let fp = idempotency::fingerprint(body);
-        self.idempotent(consumer, path, key, mode, fp, Operation::Capture(req))
+        self.idempotent(
+            consumer,
+            path,
+            key,
+            mode,
+            fp,
+            Operation::Capture(req),
+            faults,
+        )
     }
 
-    /// `POST /v1/charges/{id}/cancel`.
+    /// `POST /v1/charges/{id}/cancel`, with the sandbox's `faults`.
     pub fn create_cancel(
         &self,
         consumer: i64,
@@ -298,10 +332,19 @@ impl App {
         mode: Mode,
         body: &Value,
         req: CancelRequest,
+        faults: Directives,
     ) -> Answer {
         let path = format!("/v1/charges/{}/cancel", req.charge);
         let fp = idempotency::fingerprint(body);
-        self.idempotent(consumer, path, key, mode, fp, Operation::Cancel(req))
+        self.idempotent(
+            consumer,
+            path,
+            key,
+            mode,
+            fp,
+            Operation::Cancel(req),
+            faults,
+        )
     }
 
     /// `POST /v1/webhook_endpoints`. With an `Idempotency-Key` it runs the
@@ -327,6 +370,7 @@ impl App {
                 mode,
                 idempotency::fingerprint(body),
                 Operation::WebhookEndpoint(req),
+                Directives::default(),
             ),
             None => self.later(move |app, deliver| {
                 let created = app.writer.call(move |tx| {
@@ -366,7 +410,10 @@ impl App {
     }
 
     /// Steps 4–5 of the protocol: reserve the key (or learn why not) in one
-    /// write transaction, then answer or do the work.
+    /// write transaction, then answer or do the work. `faults` (the
+    /// sandbox's) go with this attempt only: never into the fingerprint or
+    /// the key row.
+    #[allow(clippy::too_many_arguments)]
     fn idempotent(
         &self,
         consumer: i64,
@@ -375,6 +422,7 @@ impl App {
         mode: Mode,
         fp: Fingerprint,
         op: Operation,
+        faults: Directives,
     ) -> Answer {
         let attempt = Attempt {
             scope: Scope {
@@ -404,7 +452,9 @@ impl App {
             // Everything that writes runs on the reservation pool, then the
             // operation pool: no HTTP worker waits for the writer or the
             // acquirer.
-            None => self.later(move |app, deliver| app.reserve_and_run(attempt, op, deliver)),
+            None => {
+                self.later(move |app, deliver| app.reserve_and_run(attempt, op, faults, deliver))
+            }
         }
     }
 
@@ -425,7 +475,20 @@ impl App {
     /// Steps 4–5 on a reservation thread: reserve; when this request owns
     /// the key, hand the operation to the operation pool. Async mode answers
     /// 202 once the operation is queued.
-    fn reserve_and_run(&self, attempt: Attempt, op: Operation, deliver: Deliver) {
+    ///
+    /// The sandbox's `crash=after-reserve` abandons the attempt here, once
+    /// the reservation committed: the key stays in progress, unanswered,
+    /// until its lock goes stale. A reservation that completed its key in
+    /// the same transaction (an account, a refused refund or capture) is
+    /// abandoned by `crash=after-reserve` and `crash=after-commit` alike:
+    /// that commit was the attempt's last.
+    fn reserve_and_run(
+        &self,
+        attempt: Attempt,
+        op: Operation,
+        faults: Directives,
+        deliver: Deliver,
+    ) {
         let mode = attempt.mode;
         match self.reserve(attempt, op) {
             Ok(Reserved::Pending(Reservation::Owned { row, took_over })) => {
@@ -437,18 +500,66 @@ impl App {
                     // test aborts at before the acquirer refunds.
                     self.fault(FaultPoint::AfterRecoveryPoint, "refund");
                 }
-                self.run_owned(row, mode, deliver);
+                let owner = row.owner();
+                if faults.crash == Some(CrashPoint::AfterReserve) {
+                    return deliver(self.abandon(&owner, CrashPoint::AfterReserve));
+                }
+                let registered = faults.in_attempt().then(|| {
+                    self.sandbox
+                        .register(owner.key_id, owner.generation, faults)
+                });
+                self.run_owned(row, mode, deliver, registered);
             }
-            other => deliver(self.answer(other, mode)),
+            other => {
+                let committed = matches!(other, Ok(Reserved::Done { .. }));
+                let reply = self.answer(other, mode);
+                match faults.crash {
+                    Some(point @ (CrashPoint::AfterReserve | CrashPoint::AfterCommit))
+                        if committed =>
+                    {
+                        self.metrics.simulated(crash_directive(point));
+                        log::warn!("sandbox: crash={point:?} abandoned an answered reservation");
+                        deliver(Reply::abandoned())
+                    }
+                    _ => deliver(reply),
+                }
+            }
         }
+    }
+
+    /// The sandbox's `crash=` at `point` of `owner`'s attempt, if it asked
+    /// for one there: `Err` abandons the attempt (see [`App::abandon`]).
+    fn crash(&self, owner: &Owner, point: CrashPoint) -> Result<(), Reply> {
+        if self.sandbox.of(owner.key_id, owner.generation).crash == Some(point) {
+            return Err(self.abandon(owner, point));
+        }
+        Ok(())
+    }
+
+    /// Abandons `owner`'s attempt as a crash there would: the key is
+    /// neither unlocked nor completed by it, and its connection is closed
+    /// unanswered. Its lock goes stale after `--inflight-timeout`, and a
+    /// retry or the reaper takes it over and finishes it.
+    fn abandon(&self, owner: &Owner, point: CrashPoint) -> Reply {
+        self.metrics.simulated(crash_directive(point));
+        log::warn!(
+            "sandbox: operation {} abandoned at crash={point:?}, as a crash would leave it",
+            owner.op_id
+        );
+        Reply::abandoned()
     }
 
     /// Queues an owned operation on the operation pool. If it cannot be
     /// queued, the key is unlocked and the client told 503.
-    fn run_owned(&self, row: KeyRow, mode: Mode, deliver: Deliver) {
+    /// `registered` (the attempt's sandbox faults) lives as long as the task.
+    fn run_owned(&self, row: KeyRow, mode: Mode, deliver: Deliver, registered: Option<Registered>) {
         let owner = row.owner();
         let me = self.me();
-        let task: Task = Box::new(move |d| d(me.run_operation_guarded(row)));
+        let task: Task = Box::new(move |d| {
+            let reply = me.run_operation_guarded(row);
+            drop(registered);
+            d(reply)
+        });
         let refused = match mode {
             Mode::Sync => self.operations.submit(task, deliver).err(),
             // Nobody waits for the reply: the stored answer is the result.
@@ -784,6 +895,7 @@ impl App {
             let why = "the operation waited past its acquirer deadline before calling".into();
             return Err(self.give_up(owner, Error::Acquirer(why)));
         };
+        self.acquirer_faults(owner, deadline)?;
         let called = call(deadline);
         let overrun = Instant::now().saturating_duration_since(deadline);
         if overrun > ACQUIRER_OVERRUN_TOLERANCE {
@@ -794,7 +906,30 @@ impl App {
         }
         let answer = called.map_err(|e| self.give_up(owner, Error::Acquirer(e.0)))?;
         self.fault(FaultPoint::AfterAcquirer, kind);
+        self.crash(owner, CrashPoint::AfterAcquirer)?;
         Ok(answer)
+    }
+
+    /// The sandbox's `acquirer-latency=` (the call starts that much later;
+    /// past the deadline it is a timeout, 503) and `acquirer=unavailable`
+    /// (503, key unlocked) for every acquirer call of `owner`'s attempt.
+    fn acquirer_faults(&self, owner: &Owner, deadline: Instant) -> Result<(), Reply> {
+        let faults = self.sandbox.of(owner.key_id, owner.generation);
+        if let Some(latency) = faults.acquirer_latency {
+            self.metrics.simulated(Directive::AcquirerLatency(latency));
+            let left = deadline.saturating_duration_since(Instant::now());
+            std::thread::sleep(latency.min(left));
+            if latency > left {
+                let why = format!("sandbox: acquirer-latency={latency:?} passed the deadline");
+                return Err(self.give_up(owner, Error::Acquirer(why)));
+            }
+        }
+        if faults.acquirer == Some(AcquirerFault::Unavailable) {
+            self.metrics.simulated(Directive::AcquirerUnavailable);
+            let why = "sandbox: acquirer=unavailable".to_string();
+            return Err(self.give_up(owner, Error::Acquirer(why)));
+        }
+        Ok(())
     }
 
     /// Records a recovery point after an acquirer call.
@@ -822,6 +957,7 @@ impl App {
         {
             Ok(Some(stored)) => {
                 self.fault(FaultPoint::AfterCommit, kind);
+                self.crash(owner, CrashPoint::AfterCommit)?;
                 // A charge decided 200 after its authorization is a
                 // reference replay: it names a charge that existed.
                 let existing = kind == "charge" && stored.status == 200;
@@ -871,7 +1007,16 @@ impl App {
             Ok(None) => {}
         }
         self.fault(FaultPoint::AfterReserve, "charge");
-        let auth = self.call_acquirer(owner, locked_at_ms, "charge", |deadline| {
+        let declines = self.sandbox.of(owner.key_id, owner.generation).acquirer
+            == Some(AcquirerFault::Decline);
+        let outcome = self.call_acquirer(owner, locked_at_ms, "charge", |deadline| {
+            if declines {
+                // The sandbox's decline: the acquirer is not asked.
+                self.metrics.simulated(Directive::AcquirerDecline);
+                return Ok(AuthorizeOutcome::Declined(Declined(
+                    "sandbox: acquirer=decline".into(),
+                )));
+            }
             self.acquirer.authorize(
                 &owner.op_id,
                 req.amount,
@@ -880,6 +1025,20 @@ impl App {
                 deadline,
             )
         })?;
+        let auth = match outcome {
+            AuthorizeOutcome::Approved(auth) => auth,
+            // Final: stored and replayed. No authorization exists, so there
+            // is nothing to void and nothing to record before the answer.
+            AuthorizeOutcome::Declined(Declined(why)) => {
+                log::info!("operation {}: declined by the acquirer: {why}", owner.op_id);
+                let stored = problem_response(Problem::CardDeclined);
+                return Err(self
+                    .ledger_phase(owner, "charge", move |_, _, _| {
+                        Ok(Step::Complete(stored, false))
+                    })
+                    .unwrap_or_else(|reply| reply));
+            }
+        };
         Ok(auth.id)
     }
 
@@ -927,7 +1086,10 @@ impl App {
         match committed {
             Ok(Some(committed)) => {
                 match committed {
-                    Committed::Completed(..) => self.fault(FaultPoint::AfterCommit, kind),
+                    Committed::Completed(..) => {
+                        self.fault(FaultPoint::AfterCommit, kind);
+                        self.crash(owner, CrashPoint::AfterCommit)?;
+                    }
                     Committed::Decided => self.fault(FaultPoint::AfterRecoveryPoint, kind),
                 }
                 Ok(committed)
@@ -995,6 +1157,7 @@ impl App {
                 mode,
                 idempotency::fingerprint(body),
                 Operation::NotificationSource(req),
+                Directives::default(),
             ),
             None => self.later(move |app, deliver| {
                 let created = app.writer.call(move |tx| {
@@ -1351,6 +1514,15 @@ impl App {
         let cutoff = now_ms().saturating_sub(crate::time::millis(self.config.event_retention));
         self.writer
             .call(move |tx| events::delete_expired(tx, cutoff, batch))
+    }
+}
+
+/// The directive that asks for a crash at `point` (the metric's label).
+fn crash_directive(point: CrashPoint) -> Directive {
+    match point {
+        CrashPoint::AfterReserve => Directive::CrashAfterReserve,
+        CrashPoint::AfterAcquirer => Directive::CrashAfterAcquirer,
+        CrashPoint::AfterCommit => Directive::CrashAfterCommit,
     }
 }
 

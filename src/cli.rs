@@ -225,6 +225,12 @@ struct ServeArgs {
     /// data of a damaged database; the server may then serve wrong balances.
     #[arg(long, env = "IDEM_SKIP_VERIFY")]
     skip_verify: bool,
+    /// Sandbox mode, for testing clients: honour the Idem-Simulate header
+    /// (declines, acquirer outages, lost and late answers, crashes at each
+    /// step). Never for real money: a client could make the server drop its
+    /// answers.
+    #[arg(long, env = "IDEM_SANDBOX")]
+    sandbox: bool,
     /// A client must send a request's headers within this; it also bounds how long a keep-alive connection waits for the next request.
     #[arg(long, env = "IDEM_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
     header_read_timeout: Duration,
@@ -602,6 +608,7 @@ fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
     };
     config.commit_batch_max = usize::from(args.commit_batch_max);
     config.verify_on_start = !args.skip_verify;
+    config.sandbox = args.sandbox;
     config.http = HttpLimits {
         header_read_timeout: args.header_read_timeout,
         body_read_timeout: args.body_read_timeout,

@@ -164,6 +164,14 @@ pub const INFLIGHT_PER_ACQUIRER_TIMEOUT_MIN: u32 = 2;
 /// an embedder's acquirer that overruns shows up before owners are taken
 /// over.
 pub const ACQUIRER_OVERRUN_TOLERANCE: Duration = Duration::from_millis(100);
+/// The longest duration an `Idem-Simulate` directive takes
+/// (`acquirer-latency=`, `response=delay:`): long enough to outlast any
+/// client's read timeout, short enough that a hostile client in a sandbox
+/// cannot pin an operation thread or a connection for hours.
+pub const SIMULATE_DURATION_MAX: Duration = Duration::from_secs(60);
+/// The longest `Idem-Simulate` value, in bytes: every directive at once
+/// fits in under 150.
+pub const SIMULATE_HEADER_BYTES_MAX: usize = 256;
 /// Seconds a 409 asks the client to wait (`Retry-After`).
 pub const RETRY_AFTER_IN_USE_SECONDS: u32 = 1;
 /// Seconds a 503 asks the client to wait (`Retry-After`).
@@ -474,6 +482,11 @@ pub struct Config {
     /// Run `idem verify`'s checks before serving and refuse a database that
     /// fails them (`--skip-verify` turns this off).
     pub verify_on_start: bool,
+    /// Sandbox mode (`--sandbox`): honour the `Idem-Simulate` header and
+    /// [`crate::Server::simulate`], and say so in `/healthz`. Off, the
+    /// header is refused with 400 `simulation-disabled`. Never in
+    /// production: a client could then make the server drop its answers.
+    pub sandbox: bool,
 }
 
 impl Config {
@@ -515,6 +528,7 @@ impl Config {
             notification_tolerance: NOTIFICATION_TOLERANCE_DEFAULT,
             hooks: Hooks::default(),
             verify_on_start: true,
+            sandbox: false,
         }
     }
 

@@ -68,6 +68,7 @@ pub mod acquirer;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod config;
+pub mod sandbox;
 
 internal! {
     api,
@@ -257,6 +258,12 @@ impl Server {
         lock: ProcessLock,
         acquirer: Arc<dyn Acquirer>,
     ) -> Result<Server> {
+        if config.sandbox {
+            log::warn!(
+                "sandbox mode: Idem-Simulate faults are honoured (dropped answers, crashes, \
+                 declines); never serve real clients like this"
+            );
+        }
         let conn = store::open_rw(&config.db, config.synchronous, config.fault)?;
         if config.verify_on_start {
             check_on_start(&config.db, &conn)?;
@@ -286,6 +293,11 @@ impl Server {
             let method = log::log_enabled!(log::Level::Debug).then(|| req.method.clone());
             answer.inspect(move |reply| {
                 let seconds = started.elapsed().as_secs_f64();
+                // A sandbox fault that leaves no answer has no status to count.
+                if reply.handover == api::Handover::Abandon {
+                    log::debug!("{route}: answer abandoned (sandbox)");
+                    return;
+                }
                 metrics.record_request(route, reply.status, seconds);
                 // The access log names the route template, never the raw
                 // path, a header or the body: nothing a client sends that
@@ -371,6 +383,39 @@ impl Server {
     #[doc(hidden)]
     pub fn app(&self) -> &Arc<App> {
         &self.app
+    }
+
+    /// Scripts sandbox faults for the next requests that match
+    /// `simulation` (see [`sandbox::Simulation`]), as if they had carried
+    /// them in `Idem-Simulate`, so a test can provoke faults on requests a
+    /// client library makes without setting headers. Refused
+    /// ([`Error::Usage`]) unless the server runs in sandbox mode
+    /// ([`Config::sandbox`]), and for faults that contradict each other or
+    /// that the matched route cannot take.
+    ///
+    /// ```no_run
+    /// use idem::sandbox::{Directive, Simulation};
+    /// let server = idem::Server::start_temporary(|c| c.sandbox = true)?;
+    /// server.simulate(
+    ///     Simulation::new()
+    ///         .matching("/v1/charges")
+    ///         .fault(Directive::ResponseDrop),
+    /// )?;
+    /// // The next charge commits, and its connection closes unanswered.
+    /// # Ok::<(), idem::Error>(())
+    /// ```
+    pub fn simulate(&self, simulation: sandbox::Simulation) -> Result<()> {
+        self.app.sandbox().add(simulation)
+    }
+
+    /// Forgets every scripted fault not used yet.
+    pub fn clear_simulations(&self) {
+        self.app.sandbox().clear();
+    }
+
+    /// How many scripted faults are still waiting for a matching request.
+    pub fn pending_simulations(&self) -> u64 {
+        self.app.sandbox().pending()
     }
 
     /// Runs one reaper pass now (orphans, then retention), as the reaper

@@ -104,6 +104,9 @@ pub struct Metrics {
     pub webhook_failed: Counter,
     /// Pending deliveries, as last counted by the delivery engine.
     webhook_backlog: AtomicU64,
+    /// Sandbox faults applied, by directive, in the order of
+    /// [`crate::sandbox::DIRECTIVE_LABELS`].
+    simulated_faults: [Counter; 9],
 }
 
 impl Default for Metrics {
@@ -125,6 +128,7 @@ impl Default for Metrics {
             webhook_retried: Counter::default(),
             webhook_failed: Counter::default(),
             webhook_backlog: AtomicU64::new(0),
+            simulated_faults: Default::default(),
         }
     }
 }
@@ -138,6 +142,11 @@ impl Metrics {
             .entry((route, status))
             .or_default() += 1;
         self.http_request_duration_seconds.observe(seconds);
+    }
+
+    /// Counts one sandbox fault applied (`idem_simulated_faults_total`).
+    pub fn simulated(&self, directive: crate::sandbox::Directive) {
+        self.simulated_faults[directive.index()].inc();
     }
 
     /// Sets the `idem_webhook_backlog` gauge.
@@ -242,6 +251,20 @@ impl Metrics {
             let _ = writeln!(
                 out,
                 "idem_notifications_total{{status=\"{status}\"}} {}",
+                counter.get()
+            );
+        }
+        out.push_str(
+            "# HELP idem_simulated_faults_total Faults the sandbox applied (Idem-Simulate \
+             or Server::simulate), by directive.\n# TYPE idem_simulated_faults_total counter\n",
+        );
+        for (label, counter) in crate::sandbox::DIRECTIVE_LABELS
+            .iter()
+            .zip(&self.simulated_faults)
+        {
+            let _ = writeln!(
+                out,
+                "idem_simulated_faults_total{{directive=\"{label}\"}} {}",
                 counter.get()
             );
         }

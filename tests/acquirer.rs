@@ -105,6 +105,8 @@ fn authorize(sim: &Simulator, key: &str) -> String {
         Instant::now() + Duration::from_secs(10),
     )
     .unwrap_or_else(|e| panic!("{key}: {e:?}"))
+    .approved()
+    .expect("the simulator approves")
     .id
 }
 
@@ -517,7 +519,7 @@ impl Acquirer for Gate {
         currency: &str,
         capture: bool,
         deadline: Instant,
-    ) -> Result<idem::acquirer::Authorization, idem::acquirer::Unavailable> {
+    ) -> Result<idem::acquirer::AuthorizeOutcome, idem::acquirer::Unavailable> {
         if self.calls.fetch_add(1, Ordering::SeqCst) < self.held {
             let open = self.open.0.lock().unwrap();
             let waited = self

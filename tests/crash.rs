@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem::acquirer::{Acquirer, Authorization, Call, Simulator, Unavailable};
+use idem::acquirer::{Acquirer, AuthorizeOutcome, Call, Simulator, Unavailable};
 use rusqlite::Connection;
 use support::{charge_body, ChildServer, Client, TempDir};
 
@@ -352,7 +352,7 @@ impl Acquirer for StuckFirstCall {
         currency: &str,
         capture: bool,
         deadline: std::time::Instant,
-    ) -> Result<Authorization, Unavailable> {
+    ) -> Result<AuthorizeOutcome, Unavailable> {
         if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
             let _ = self.entered.send(());
             let _ = self.release.recv_timeout(Duration::from_secs(20));

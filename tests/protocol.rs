@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::acquirer::{Acquirer, Authorization, Simulator, Unavailable};
+use idem::acquirer::{Acquirer, AuthorizeOutcome, Simulator, Unavailable};
 use serde_json::json;
 use support::{charge_body, server, Client};
 
@@ -210,7 +210,7 @@ impl Acquirer for Flaky {
         currency: &str,
         capture: bool,
         deadline: std::time::Instant,
-    ) -> Result<Authorization, Unavailable> {
+    ) -> Result<AuthorizeOutcome, Unavailable> {
         if self.calls.fetch_add(1, Ordering::SeqCst) < self.failures {
             return Err(Unavailable("connection reset".into()));
         }

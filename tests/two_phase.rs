@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::acquirer::{Acquirer, Authorization, Simulator, Unavailable};
+use idem::acquirer::{Acquirer, AuthorizeOutcome, Simulator, Unavailable};
 use serde_json::{json, Value};
 use support::{Client, CountingAcquirer, Resp, TempDir};
 
@@ -442,7 +442,7 @@ impl Acquirer for FlakyCaptures {
         currency: &str,
         capture: bool,
         deadline: Instant,
-    ) -> Result<Authorization, Unavailable> {
+    ) -> Result<AuthorizeOutcome, Unavailable> {
         self.inner
             .authorize(key, amount, currency, capture, deadline)
     }
@@ -829,11 +829,13 @@ impl Acquirer for Recording {
         currency: &str,
         capture: bool,
         deadline: Instant,
-    ) -> Result<Authorization, Unavailable> {
+    ) -> Result<AuthorizeOutcome, Unavailable> {
         let auth = self
             .inner
             .authorize(key, amount, currency, capture, deadline)?;
-        self.authorized.lock().unwrap().push(auth.id.clone());
+        if let AuthorizeOutcome::Approved(a) = &auth {
+            self.authorized.lock().unwrap().push(a.id.clone());
+        }
         if self.stall.swap(false, Ordering::SeqCst) {
             self.stalled.store(true, Ordering::SeqCst);
             std::thread::sleep(Duration::from_millis(1_500));

@@ -19,6 +19,32 @@ pub struct Authorization {
     pub id: String,
 }
 
+/// The acquirer's answer to an authorization: approved, or declined (the
+/// card issuer refused: a final business outcome, not a failure).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuthorizeOutcome {
+    /// Authorized (and captured, for a sale).
+    Approved(Authorization),
+    /// Refused; no authorization exists, so nothing is to be voided. The
+    /// charge answers 402 `card-declined`, stored and replayed.
+    Declined(Declined),
+}
+
+impl AuthorizeOutcome {
+    /// The authorization, if approved.
+    pub fn approved(self) -> Option<Authorization> {
+        match self {
+            AuthorizeOutcome::Approved(a) => Some(a),
+            AuthorizeOutcome::Declined(_) => None,
+        }
+    }
+}
+
+/// Why an authorization was declined, as the acquirer put it (logged, never
+/// shown to the client).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Declined(pub String);
+
 /// The acquirer could not answer (network, timeout, outage): a transient
 /// failure, answered 503, after which the key resumes from its recovery point.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,8 +56,9 @@ pub struct Unavailable(pub String);
 /// from the operation that makes it, so that a repeated call (a retry, a
 /// takeover after a crash) has the effect of one.
 pub trait Acquirer: Send + Sync {
-    /// Authorizes `amount` of `currency`. Calls with the same `key` return
-    /// the same authorization.
+    /// Authorizes `amount` of `currency`, or declines. Calls with the same
+    /// `key` return the same authorization (and a real acquirer the same
+    /// decline).
     ///
     /// Implementations must return by `deadline`: a real one uses the time
     /// left as its HTTP timeout (connect, request and response together)
@@ -59,7 +86,7 @@ pub trait Acquirer: Send + Sync {
         currency: &str,
         capture: bool,
         deadline: Instant,
-    ) -> Result<Authorization, Unavailable>;
+    ) -> Result<AuthorizeOutcome, Unavailable>;
 
     /// Captures `amount` (at most what was authorised) of `authorization`;
     /// the rest of it is released (one capture per authorization). Calls

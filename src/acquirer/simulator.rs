@@ -56,7 +56,7 @@ use std::time::{Duration, Instant};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 use uuid::Uuid;
 
-use super::{Acquirer, Authorization, Unavailable};
+use super::{Acquirer, Authorization, AuthorizeOutcome, Unavailable};
 use crate::config::{
     BUSY_TIMEOUT, KEY_RETENTION_DEFAULT, SIMULATOR_CACHE_MAX_KIB, SIMULATOR_PAGE_SIZE_BYTES,
     SIMULATOR_PRUNE_BATCH_LEN, SIMULATOR_PRUNE_EVERY_CALLS,
@@ -751,7 +751,8 @@ impl Store {
 }
 
 impl Acquirer for Simulator {
-    /// Approves after the latency, deduplicating by key, within `deadline`.
+    /// Approves after the latency, deduplicating by key, within `deadline`;
+    /// it never declines.
     /// The first call for a key makes the authorization, decided `latency`
     /// after the call arrived, whether or not that caller is still waiting
     /// (like a real acquirer, which goes on after its client timed out); a
@@ -764,7 +765,7 @@ impl Acquirer for Simulator {
         currency: &str,
         capture: bool,
         deadline: Instant,
-    ) -> Result<Authorization, Unavailable> {
+    ) -> Result<AuthorizeOutcome, Unavailable> {
         let now = (self.clock)();
         let left = deadline.saturating_duration_since(Instant::now());
         let deadline_ms = now.saturating_add(left.as_millis() as i64);
@@ -781,7 +782,7 @@ impl Acquirer for Simulator {
         if wait_ms > 0 {
             std::thread::sleep(Duration::from_millis(wait_ms as u64));
         }
-        Ok(Authorization { id: answer.id })
+        Ok(AuthorizeOutcome::Approved(Authorization { id: answer.id }))
     }
 
     fn capture(

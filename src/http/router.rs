@@ -1,12 +1,13 @@
 //! Routing and decoding: method and path to an application call, in the
 //! contract's order of checks — auth (401), route and method (404/405),
 //! declared body size (413), the `Idempotency-Key` header (400), the body
-//! (400), then the application. Runs no SQL.
+//! (400), then the sandbox's `Idem-Simulate` header (400), then the
+//! application. Runs no SQL.
 
 use serde_json::Value;
 
 use super::Request;
-use crate::api::{Answer, Problem, Reply, JSON, OPENAPI_DOCUMENT};
+use crate::api::{Answer, Handover, Problem, Reply, JSON, OPENAPI_DOCUMENT};
 use crate::app::{App, Signed};
 use crate::config::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 use crate::events::EventType;
@@ -16,6 +17,7 @@ use crate::model::{
     parse_object, AccountRequest, CancelRequest, CaptureRequest, ChargeRequest, FieldError, Page,
     RefundRequest, WebhookEndpointRequest,
 };
+use crate::sandbox::{Directive, Directives, ResponseFault, Target, SIMULATE_HEADER};
 
 /// A matched route: its template (the metrics label) and what it names.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,6 +92,15 @@ impl Route<'_> {
         }
     }
 
+    /// What kind of POST the route takes, for the sandbox's directives.
+    fn target(&self) -> Target {
+        match self {
+            Route::Charges => Target::Charge,
+            Route::Refunds(_) | Route::Capture(_) | Route::Cancel(_) => Target::Settlement,
+            _ => Target::Other,
+        }
+    }
+
     fn needs_auth(&self) -> bool {
         !matches!(
             self,
@@ -123,6 +134,17 @@ pub const ROUTES: &[&str] = &[
     "/v1/notifications",
     "/v1/notifications/{id}",
 ];
+
+/// The kind of POST `path` (a concrete path or a route template) takes;
+/// `None` if no route there answers POST.
+pub fn post_target(path: &str) -> Option<Target> {
+    let route = match_route(path)?;
+    route
+        .allow()
+        .split(", ")
+        .any(|m| m == "POST")
+        .then(|| route.target())
+}
 
 pub fn match_route(path: &str) -> Option<Route<'_>> {
     let segments: Vec<&str> = path.strip_prefix('/')?.split('/').collect();
@@ -218,12 +240,111 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer
     } else {
         None
     };
+    let sandboxed = route.as_ref().map(|r| (r.template(), r.target()));
     let command = decode(req, route)?;
+    let faults = simulation(app, req, sandboxed)?;
+    let answer = run(app, consumer, command, faults)?;
+    Ok(respond(app, answer, faults.response))
+}
+
+/// The sandbox's faults for this request, checked after everything
+/// `decode` checks: those its `Idem-Simulate` header asks for, or else
+/// those of the first script that matches it (`Server::simulate`). Outside
+/// sandbox mode the header is 400 `simulation-disabled`; in it, a header
+/// sent twice, on anything but a POST, unparsable, or asking for what the
+/// route cannot do is 400 `invalid-request` naming why.
+fn simulation(
+    app: &App,
+    req: &Request,
+    route: Option<(&'static str, Target)>,
+) -> Result<Directives, Problem> {
+    let target = route.filter(|_| req.method == "POST");
+    let mut values = req.headers(SIMULATE_HEADER);
+    let Some(value) = values.next() else {
+        let scripted =
+            target.and_then(|(template, target)| app.sandbox().take(&req.path, template, target));
+        return Ok(scripted.unwrap_or_default());
+    };
+    if !app.sandbox().enabled() {
+        return Err(Problem::SimulationDisabled);
+    }
+    if values.next().is_some() {
+        return Err(Problem::InvalidRequest(
+            "Idem-Simulate: send one header, directives separated by commas".into(),
+        ));
+    }
+    let Some((_, target)) = target else {
+        return Err(Problem::InvalidRequest(
+            "Idem-Simulate: applies to POST requests only".into(),
+        ));
+    };
+    let directives = Directives::parse(value).map_err(Problem::InvalidRequest)?;
+    directives
+        .check_target(target)
+        .map_err(Problem::InvalidRequest)?;
+    Ok(directives)
+}
+
+/// The sandbox's `response=` directive on whatever this attempt answers:
+/// closed unanswered (`drop`), answered later by the connection task
+/// (`delay`), or replaced by 503 (`503`). An attempt already abandoned by
+/// a crash stays unanswered.
+fn respond(app: &App, answer: Answer, fault: Option<ResponseFault>) -> Answer {
+    let Some(fault) = fault else {
+        return answer;
+    };
+    let metrics = std::sync::Arc::clone(&app.metrics);
+    let apply = move |reply: Reply| -> Reply {
+        if reply.handover == Handover::Abandon {
+            return reply;
+        }
+        match fault {
+            ResponseFault::Drop => {
+                metrics.simulated(Directive::ResponseDrop);
+                Reply {
+                    handover: Handover::Abandon,
+                    ..reply
+                }
+            }
+            ResponseFault::Delay(wait) => {
+                metrics.simulated(Directive::ResponseDelay(wait));
+                Reply {
+                    handover: Handover::After(wait),
+                    ..reply
+                }
+            }
+            ResponseFault::Unavailable => {
+                metrics.simulated(Directive::Response503);
+                Problem::TemporarilyUnavailable(
+                    "sandbox: response=503 replaced the answer; retry with the same key".into(),
+                )
+                .reply()
+            }
+        }
+    };
+    match answer {
+        Answer::Now(reply) => Answer::Now(apply(reply)),
+        Answer::Later(start) => Answer::Later(Box::new(move |deliver| {
+            start(Box::new(move |reply| deliver(apply(reply))))
+        })),
+    }
+}
+
+/// Runs a decoded command on `app`, as `consumer` where it needs one.
+fn run(
+    app: &App,
+    consumer: Option<i64>,
+    command: Command<'_>,
+    faults: Directives,
+) -> Result<Answer, Problem> {
     if let Command::Notify(source, signed) = &command {
         return Ok(app.receive_notification(source, signed));
     }
     let Some(consumer) = consumer else {
         return Ok(Answer::Now(match command {
+            Command::Healthz if app.sandbox().enabled() => {
+                Reply::json(200, &serde_json::json!({"status": "ok", "sandbox": true}))
+            }
             Command::Healthz => Reply::json(200, &serde_json::json!({"status": "ok"})),
             Command::Metrics => Reply::raw(
                 200,
@@ -239,12 +360,18 @@ fn dispatch(app: &App, req: &Request, route: Option<Route<'_>>) -> Result<Answer
         Command::CreateAccount(w) => {
             app.create_account(consumer, w.key, w.mode, &w.body, w.request)
         }
-        Command::CreateCharge(w) => app.create_charge(consumer, w.key, w.mode, &w.body, w.request),
-        Command::CreateRefund(w) => app.create_refund(consumer, w.key, w.mode, &w.body, w.request),
-        Command::CreateCapture(w) => {
-            app.create_capture(consumer, w.key, w.mode, &w.body, w.request)
+        Command::CreateCharge(w) => {
+            app.create_charge(consumer, w.key, w.mode, &w.body, w.request, faults)
         }
-        Command::CreateCancel(w) => app.create_cancel(consumer, w.key, w.mode, &w.body, w.request),
+        Command::CreateRefund(w) => {
+            app.create_refund(consumer, w.key, w.mode, &w.body, w.request, faults)
+        }
+        Command::CreateCapture(w) => {
+            app.create_capture(consumer, w.key, w.mode, &w.body, w.request, faults)
+        }
+        Command::CreateCancel(w) => {
+            app.create_cancel(consumer, w.key, w.mode, &w.body, w.request, faults)
+        }
         Command::GetAccount(id) => app.get_account(consumer, id).into(),
         Command::ListEntries(id, page) => app.list_entries(consumer, id, &page).into(),
         Command::ListCharges(page) => app.list_charges(consumer, &page).into(),

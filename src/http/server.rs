@@ -22,7 +22,6 @@
 //! (500, and the worker thread survives: every job runs under
 //! `catch_unwind`).
 
-use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -48,7 +47,7 @@ use tokio::time::Instant;
 
 use super::router::match_route;
 use super::Request;
-use crate::api::{Answer, Problem, Reply};
+use crate::api::{Answer, Handover, Problem, Reply};
 use crate::config::{
     HttpLimits, ACCEPT_RETRY_DELAY, BODY_SIZE_MAX_BYTES, HEADER_BYTES_MAX_FLOOR,
     REFUSALS_LINGERING_MAX, REFUSAL_LINGER, SHUTDOWN_GRACE, WARN_PERIOD,
@@ -497,11 +496,26 @@ impl AsyncWrite for Tracked {
     }
 }
 
-/// Reads one request fully (bounded), hands it to a worker, awaits the reply.
+/// A reply handed over as [`Handover::Abandon`]: the service fails, and
+/// hyper closes the connection without writing a response.
+#[derive(Debug)]
+struct Abandoned;
+
+impl std::fmt::Display for Abandoned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the answer was abandoned (sandbox)")
+    }
+}
+
+impl std::error::Error for Abandoned {}
+
+/// Reads one request fully (bounded), hands it to a worker, awaits the
+/// reply, and hands it over as it says: at once, after a wait (on this
+/// task: no thread waits), or not at all (the connection is closed).
 async fn serve(
     req: hyper::Request<Incoming>,
     shared: Shared,
-) -> std::result::Result<hyper::Response<Full<Bytes>>, Infallible> {
+) -> std::result::Result<hyper::Response<Full<Bytes>>, Abandoned> {
     let started = std::time::Instant::now();
     let (parts, body) = req.into_parts();
     let declared: Option<u64> = parts
@@ -558,6 +572,11 @@ async fn serve(
         }
     };
     reply.close |= unread_body;
+    match reply.handover {
+        Handover::Send => {}
+        Handover::After(wait) => tokio::time::sleep(wait).await,
+        Handover::Abandon => return Err(Abandoned),
+    }
     Ok(to_hyper(reply))
 }
 

@@ -511,7 +511,7 @@ impl idem::acquirer::Acquirer for CountingAcquirer {
         currency: &str,
         capture: bool,
         deadline: std::time::Instant,
-    ) -> Result<idem::acquirer::Authorization, idem::acquirer::Unavailable> {
+    ) -> Result<idem::acquirer::AuthorizeOutcome, idem::acquirer::Unavailable> {
         self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.inner
             .authorize(key, amount, currency, capture, deadline)
