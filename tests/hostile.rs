@@ -720,8 +720,9 @@ fn a_panicking_handler_answers_500_and_the_workers_survive() {
 /// before the ledger phase, on more charges than the operation pool has
 /// threads: each answers 500 `internal-error`, its key is unlocked at once
 /// (the retry is not a 409 although the in-flight timeout is a minute), and
-/// the retry resumes from the recorded authorization: one acquirer call,
-/// one charge, per key. The pool threads survive.
+/// the retry asks the acquirer again under the same key (a charge's
+/// authorization is recorded with its ledger phase): the same
+/// authorization, one charge, per key. The pool threads survive.
 #[test]
 fn a_panic_in_an_operation_leaves_its_key_resumable_and_the_pool_serving() {
     const CHARGES: usize = idem::config::OPERATION_THREADS + 6;
@@ -752,12 +753,14 @@ fn a_panic_in_an_operation_leaves_its_key_resumable_and_the_pool_serving() {
         assert!(again.replayed());
         assert_eq!(again.body, r.body);
     }
-    assert_eq!(
-        acquirer.calls(),
-        CHARGES,
-        "the retries reused the recorded authorizations"
-    );
-    assert_eq!(client.all_charges().len(), CHARGES);
+    assert_eq!(acquirer.calls(), 2 * CHARGES, "each retry asked again");
+    let charges = client.all_charges();
+    assert_eq!(charges.len(), CHARGES);
+    let authorizations: std::collections::BTreeSet<&str> = charges
+        .iter()
+        .map(|c| c["authorization"].as_str().unwrap())
+        .collect();
+    assert_eq!(authorizations.len(), CHARGES, "one authorization per key");
     assert_eq!(client.balance("shop"), 3 * CHARGES as i64);
     let db = server.db_path().to_path_buf();
     server.shutdown();
