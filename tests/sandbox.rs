@@ -20,6 +20,8 @@ use serde_json::{json, Value};
 use support::{assert_verified, charge_body, eventually, Client, Resp};
 
 const AMOUNT: i64 = 1_000;
+/// The in-flight timeout of the crash tests.
+const STALE: Duration = Duration::from_secs(2);
 
 /// A sandbox server with `card` and `shop`.
 fn sandbox(configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Client) {
@@ -29,11 +31,11 @@ fn sandbox(configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Client) 
     })
 }
 
-/// A sandbox server whose owners go stale after 1 s; the reaper runs every
+/// A sandbox server whose owners go stale after `STALE`; the reaper runs every
 /// `reaper` (an hour: never, unless a test wants it).
 fn crashable(reaper: Duration) -> (idem::Server, Client) {
     sandbox(|c| {
-        c.inflight_timeout = Duration::from_secs(1);
+        c.inflight_timeout = STALE;
         c.reaper_interval = reaper;
     })
 }
@@ -348,7 +350,7 @@ fn response_delay_outlasts_the_client_and_the_retry_gets_the_one_charge() {
     // The delay holds no worker: the only one answers at once.
     let started = Instant::now();
     assert_eq!(client.get("/v1/accounts/card").status, 200);
-    assert!(started.elapsed() < Duration::from_millis(500));
+    assert!(started.elapsed() < Duration::from_secs(1));
     let retry = client.charge("k-story", &charge_body(AMOUNT));
     assert_eq!(retry.status, 201);
     assert!(retry.replayed());
@@ -401,7 +403,7 @@ fn crash_then_retry(point: &str, want_point: &str, authorized: bool) {
     // The owner is "dead" but its lock is fresh.
     let busy = client.charge(&key, &charge_body(AMOUNT));
     assert_eq!(busy.slug(), "idempotency-key-in-use", "{point}");
-    std::thread::sleep(Duration::from_millis(1_100));
+    std::thread::sleep(STALE + Duration::from_millis(100));
     let finished = client.charge(&key, &charge_body(AMOUNT));
     assert_eq!(finished.status, 201, "{point}");
     assert_charged(&client, 1);
@@ -519,7 +521,7 @@ fn settlements_take_acquirer_and_crash_faults() {
     let declined = capture("k-cap", Some("acquirer=decline")).unwrap();
     assert_eq!(declined.slug(), "invalid-request");
     assert!(capture("k-cap", Some("crash=after-acquirer")).is_err());
-    std::thread::sleep(Duration::from_millis(1_100));
+    std::thread::sleep(STALE + Duration::from_millis(100));
     let captured = capture("k-cap", None).unwrap();
     assert_eq!(captured.status, 200);
     assert_eq!(captured.json()["status"], "succeeded");
@@ -583,7 +585,7 @@ fn scripted_faults_apply_to_the_next_n_matching_requests() {
     for key in ["k-s1", "k-s2"] {
         assert!(client.charge(key, &charge_body(AMOUNT)).replayed());
     }
-    std::thread::sleep(Duration::from_millis(1_100));
+    std::thread::sleep(STALE + Duration::from_millis(100));
     assert_eq!(client.charge("k-s3", &charge_body(AMOUNT)).status, 201);
     assert_charged(&client, 4);
     // Refused: contradictions, routes that cannot take the fault, no fault.
