@@ -189,7 +189,7 @@ impl Server {
     /// use std::sync::Arc;
     /// use std::time::{Duration, Instant};
     ///
-    /// use idem::acquirer::{Acquirer, Authorization, Simulator, Unavailable};
+    /// use idem::acquirer::{Acquirer, AuthorizeOutcome, Simulator, Unavailable};
     ///
     /// /// The simulator, failing its first `failures` authorizations as an
     /// /// outage would: the server answers 503 and the retry succeeds.
@@ -200,7 +200,7 @@ impl Server {
     ///
     /// impl Acquirer for Flaky {
     ///     fn authorize(&self, key: &str, amount: i64, currency: &str, capture: bool,
-    ///                  deadline: Instant) -> Result<Authorization, Unavailable> {
+    ///                  deadline: Instant) -> Result<AuthorizeOutcome, Unavailable> {
     ///         let left = self.failures.load(Ordering::SeqCst);
     ///         if left > 0 {
     ///             self.failures.store(left - 1, Ordering::SeqCst);

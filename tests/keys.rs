@@ -87,7 +87,9 @@ fn a_completed_key_is_listed_shown_and_evicted_while_the_server_runs() {
     assert_eq!(shown["path"], "/v1/charges");
     assert_eq!(shown["method"], "POST");
     assert_eq!(shown["operation"], "charge");
-    assert_eq!(shown["recovery_point"], "authorized");
+    // A charge's authorization commits with its ledger phase: the key
+    // completes from `reserved`.
+    assert_eq!(shown["recovery_point"], "reserved");
     assert_eq!(shown["generation"], 1);
     assert_eq!(shown["owner"], Value::Null);
     assert_eq!(shown["fingerprint"].as_str().unwrap().len(), 64);
@@ -95,7 +97,7 @@ fn a_completed_key_is_listed_shown_and_evicted_while_the_server_runs() {
     assert!(shown["completed_at"].is_string());
     let text_show = text(&keys(&db, &["show", "--consumer", "default", "order-1"]).stdout);
     assert!(
-        text_show.contains("recovery_point   authorized"),
+        text_show.contains("recovery_point   reserved"),
         "{text_show}"
     );
 

@@ -407,15 +407,11 @@ fn crash_then_retry(point: &str, want_point: &str, authorized: bool) {
     let finished = client.charge(&key, &charge_body(AMOUNT));
     assert_eq!(finished.status, 201, "{point}");
     assert_charged(&client, 1);
-    let (state, _, authorization, generation) = key_row(&db, &key);
+    let (state, _, _, generation) = key_row(&db, &key);
     assert_eq!((state.as_str(), generation), ("completed", 2));
-    // One authorization at the acquirer, the one the ledger recorded.
+    // One authorization at the acquirer, the one the charge records.
     let journal = calls(&db, CallKind::Authorize, &op);
     assert_eq!(journal.iter().filter(|c| c.created).count(), 1);
-    assert_eq!(
-        authorization.as_deref(),
-        Some(journal[0].authorization.as_str())
-    );
     assert_eq!(
         finished.json()["authorization"],
         json!(journal[0].authorization)
