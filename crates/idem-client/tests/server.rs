@@ -68,7 +68,7 @@ fn threads_that_each_lose_an_answer_charge_once_per_intent() {
     }
     let dropped = proxy.dropped.load(Ordering::SeqCst);
     assert_eq!(dropped, THREADS as u32);
-    assert_eq!(retries as u32, dropped, "each lost answer cost one retry");
+    assert_eq!(retries, dropped, "each lost answer cost one retry");
     assert_one_charge_per_intent(&direct, &intents, 100);
 }
 
