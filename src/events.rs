@@ -14,7 +14,7 @@ use serde_json::value::RawValue;
 
 use crate::error::Result;
 use crate::ids;
-use crate::ledger::UnknownCursor;
+use crate::ledger::{self, UnknownCursor};
 use crate::model::{ListObject, Page};
 use crate::time::rfc3339;
 
@@ -149,51 +149,29 @@ pub fn list(
     kind: Option<EventType>,
     page: &Page,
 ) -> Result<std::result::Result<ListObject<Box<RawValue>>, UnknownCursor>> {
-    let before = match &page.starting_after {
-        None => i64::MAX,
-        Some(cursor) => match conn
-            .prepare_cached("SELECT id FROM events WHERE consumer_id = ?1 AND public_id = ?2")?
-            .query_row(params![consumer_id, cursor], |r| r.get(0))
-            .optional()?
-        {
-            Some(id) => id,
-            None => return Ok(Err(UnknownCursor)),
+    // The filter is one of the contract's static type names, never client text.
+    let filter = kind
+        .map(|k| format!("AND type = '{}'", k.as_str()))
+        .unwrap_or_default();
+    let page_sql = format!(
+        "SELECT body FROM events WHERE consumer_id = ?1 {filter} AND id < ?2 \
+         ORDER BY id DESC LIMIT ?3"
+    );
+    ledger::page(
+        conn,
+        consumer_id,
+        page,
+        "SELECT id FROM events WHERE consumer_id = ?1 AND public_id = ?2",
+        &page_sql,
+        |r| {
+            // Stored as a BLOB of the bytes `record` rendered.
+            let invalid = |e: Box<dyn std::error::Error + Send + Sync>| {
+                rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Blob, e)
+            };
+            let body = String::from_utf8(r.get(0)?).map_err(|e| invalid(e.into()))?;
+            RawValue::from_string(body).map_err(|e| invalid(e.into()))
         },
-    };
-    let limit = page.limit as i64 + 1;
-    let bodies: Vec<Vec<u8>> = match kind {
-        None => conn
-            .prepare_cached(
-                "SELECT body FROM events WHERE consumer_id = ?1 AND id < ?2 \
-                 ORDER BY id DESC LIMIT ?3",
-            )?
-            .query_map(params![consumer_id, before, limit], |r| r.get(0))?
-            .collect::<rusqlite::Result<_>>()?,
-        Some(kind) => conn
-            .prepare_cached(
-                "SELECT body FROM events WHERE consumer_id = ?1 AND type = ?4 AND id < ?2 \
-                 ORDER BY id DESC LIMIT ?3",
-            )?
-            .query_map(params![consumer_id, before, limit, kind.as_str()], |r| {
-                r.get(0)
-            })?
-            .collect::<rusqlite::Result<_>>()?,
-    };
-    let mut data = bodies
-        .into_iter()
-        .map(|b| {
-            let text =
-                String::from_utf8(b).map_err(|e| crate::error::Error::Other(e.to_string()))?;
-            RawValue::from_string(text).map_err(|e| crate::error::Error::Other(e.to_string()))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let has_more = data.len() > page.limit;
-    data.truncate(page.limit);
-    Ok(Ok(ListObject {
-        object: "list",
-        data,
-        has_more,
-    }))
+    )
 }
 
 /// Deletes up to `limit` of the oldest events created before `cutoff_ms`,

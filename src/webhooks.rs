@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::config::WEBHOOK_ENDPOINTS_MAX;
 use crate::error::{Error, Result};
 use crate::ids;
-use crate::ledger::UnknownCursor;
+use crate::ledger::{self, UnknownCursor};
 use crate::model::{ListObject, Page, WebhookEndpointRequest};
 use crate::signature;
 use crate::time::rfc3339;
@@ -135,37 +135,18 @@ pub fn list(
     consumer_id: i64,
     page: &Page,
 ) -> Result<std::result::Result<ListObject<EndpointObject>, UnknownCursor>> {
-    let before = match &page.starting_after {
-        None => i64::MAX,
-        Some(cursor) => match conn
-            .prepare_cached(
-                "SELECT id FROM webhook_endpoints WHERE consumer_id = ?1 AND public_id = ?2",
-            )?
-            .query_row(params![consumer_id, cursor], |r| r.get(0))
-            .optional()?
-        {
-            Some(id) => id,
-            None => return Ok(Err(UnknownCursor)),
-        },
-    };
-    let mut data = conn
-        .prepare_cached(&format!(
+    ledger::page(
+        conn,
+        consumer_id,
+        page,
+        "SELECT id FROM webhook_endpoints WHERE consumer_id = ?1 AND public_id = ?2",
+        &format!(
             "SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints \
              WHERE consumer_id = ?1 AND deleted_at IS NULL AND id < ?2 \
              ORDER BY id DESC LIMIT ?3"
-        ))?
-        .query_map(
-            params![consumer_id, before, page.limit as i64 + 1],
-            endpoint_object,
-        )?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
-    let has_more = data.len() > page.limit;
-    data.truncate(page.limit);
-    Ok(Ok(ListObject {
-        object: "list",
-        data,
-        has_more,
-    }))
+        ),
+        endpoint_object,
+    )
 }
 
 /// Deletes the endpoint `public_id`: no new delivery is queued for it, and
