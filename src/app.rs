@@ -153,6 +153,11 @@ impl App {
         self.writer.stop();
     }
 
+    /// Receives a message after commits (see [`Writer::commits`]).
+    pub fn commits(&self) -> crossbeam_channel::Receiver<()> {
+        self.writer.commits()
+    }
+
     /// The sandbox: whether it is on, and its scripted faults.
     pub fn sandbox(&self) -> &Sandbox {
         &self.sandbox

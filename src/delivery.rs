@@ -4,7 +4,8 @@
 //!
 //! One dispatcher thread (`idem-webhooks`) finds due deliveries on a reader
 //! every [`WEBHOOK_POLL_INTERVAL`] (at once when an attempt ends and frees a
-//! thread) and hands them to [`WEBHOOK_THREADS`] sender threads
+//! thread, or when the writer commits: a delivery queued by a change goes
+//! out right after the change's commit) and hands them to [`WEBHOOK_THREADS`] sender threads
 //! (`idem-webhook-N`). The dispatcher alone keeps the in-process lease, the
 //! set of deliveries on the wire: a delivery is handed out again only once
 //! its attempt is recorded, so one delivery is never sent twice at once; at
@@ -35,7 +36,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, Sender};
 
 use crate::app::App;
 use crate::config::{
@@ -169,6 +170,7 @@ fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &Atom
     let mut sending = 0usize;
     let mut per_endpoint: HashMap<i64, usize> = HashMap::new();
     let mut backlog_at = Instant::now() - BACKLOG_REFRESH;
+    let mut commits = app.commits();
     while !stopping.load(Ordering::SeqCst) {
         if backlog_at.elapsed() >= BACKLOG_REFRESH {
             backlog_at = Instant::now();
@@ -219,15 +221,26 @@ fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &Atom
                 on_wire.remove(&id);
             }
         };
-        match done.recv_timeout(WEBHOOK_POLL_INTERVAL) {
-            Ok(d) => {
-                release(d);
-                while let Ok(d) = done.try_recv() {
+        // Woken by an attempt's end, by a commit (which may have queued
+        // deliveries: they go out now, not at the next poll), or by the
+        // poll interval (retries coming due).
+        crossbeam_channel::select! {
+            recv(done) -> d => match d {
+                Ok(d) => {
                     release(d);
+                    while let Ok(d) = done.try_recv() {
+                        release(d);
+                    }
                 }
-            }
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return,
+                Err(_) => return,
+            },
+            recv(commits) -> c => {
+                if c.is_err() {
+                    // The writer has stopped: nothing new will commit.
+                    commits = crossbeam_channel::never();
+                }
+            },
+            default(WEBHOOK_POLL_INTERVAL) => {}
         }
     }
 }

@@ -3,6 +3,7 @@
 //! lock; and the two ways in: the single writer thread ([`Writer`]) and the
 //! pool of read-only connections ([`Readers`]).
 
+mod checkpointer;
 mod migrations;
 mod readers;
 mod writer;

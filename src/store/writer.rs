@@ -8,6 +8,7 @@
 //! command commits at once; nothing waits for a batch to fill.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -15,9 +16,15 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use rusqlite::Connection;
 
+use super::checkpointer::{Checkpointer, WAL_AUTOCHECKPOINT_BACKSTOP_PAGES};
 use crate::config::WRITE_QUEUE_LEN_MAX;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
+
+/// Prepared statements the writer's connection keeps: more than every
+/// distinct statement its commands run (about 90 call sites), so none is
+/// prepared twice.
+const WRITER_STATEMENT_CACHE: usize = 256;
 
 /// A command for the writer: `run` inside its savepoint, then `finish` with
 /// the fate of the whole transaction.
@@ -68,6 +75,8 @@ enum Msg {
 /// Handle to the writer thread.
 pub struct Writer {
     tx: Sender<Msg>,
+    /// Holds one message after a commit, until a watcher takes it.
+    committed: Receiver<()>,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -90,13 +99,26 @@ impl Writer {
         if let Err(e) = conn.pragma_update(None, "temp_store", "MEMORY") {
             log::warn!("writer: cannot keep the statement journal in memory: {e}");
         }
+        // rusqlite's statement cache is an LRU of 16 by default. A charge
+        // alone runs more distinct statements than that, in the same order
+        // every time, which is the LRU's worst case: every statement missed
+        // and was parsed and planned again (sqlite3_prepare) on every
+        // command. Sized to hold every statement the writer runs.
+        conn.set_prepared_statement_cache_capacity(WRITER_STATEMENT_CACHE);
+        let checkpointer = start_checkpointer(&conn);
         let (tx, rx) = crossbeam_channel::bounded(WRITE_QUEUE_LEN_MAX);
+        let (commit_tx, committed) = crossbeam_channel::bounded(1);
+        let watchers = Watchers {
+            checkpointer,
+            commit: commit_tx,
+        };
         let thread = std::thread::Builder::new()
             .name("idem-writer".into())
-            .spawn(move || run(conn, rx, commit_batch_max, &metrics))
+            .spawn(move || run(conn, rx, commit_batch_max, &metrics, watchers))
             .expect("spawn writer thread");
         Writer {
             tx,
+            committed,
             thread: std::sync::Mutex::new(Some(thread)),
         }
     }
@@ -126,6 +148,14 @@ impl Writer {
             .unwrap_or(Err(Error::Unavailable("writer has stopped")))
     }
 
+    /// A channel that receives a message after a commit: one waiting
+    /// message stands for every commit since it was last taken, and it
+    /// disconnects when the writer stops. For a thread that acts on what
+    /// commits make visible (the webhook dispatcher), instead of polling.
+    pub fn commits(&self) -> Receiver<()> {
+        self.committed.clone()
+    }
+
     /// Applies what is queued, checkpoints the WAL and stops the thread.
     pub fn stop(&self) {
         let Some(thread) = self.thread.lock().expect("writer lock").take() else {
@@ -142,7 +172,47 @@ impl Drop for Writer {
     }
 }
 
-fn run(conn: Connection, rx: Receiver<Msg>, batch_max: usize, metrics: &Metrics) {
+/// Moves the WAL's checkpoints off the writer's thread (see
+/// [`checkpointer`](super::checkpointer)); if the thread cannot start, the
+/// writer checkpoints itself as SQLite does by default.
+fn start_checkpointer(conn: &Connection) -> Option<Checkpointer> {
+    let path = conn.path().filter(|p| !p.is_empty())?;
+    let started = Checkpointer::start(Path::new(path)).and_then(|c| {
+        conn.pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT_BACKSTOP_PAGES)?;
+        Ok(c)
+    });
+    match started {
+        Ok(c) => Some(c),
+        Err(e) => {
+            log::warn!("writer: no checkpointer thread, checkpointing on commit: {e}");
+            None
+        }
+    }
+}
+
+/// Who hears of each commit, without ever making the writer wait.
+struct Watchers {
+    checkpointer: Option<Checkpointer>,
+    commit: Sender<()>,
+}
+
+impl Watchers {
+    fn committed(&self) {
+        if let Some(c) = &self.checkpointer {
+            c.nudge();
+        }
+        // Full: a message is already waiting, and it covers this commit.
+        let _ = self.commit.try_send(());
+    }
+}
+
+fn run(
+    conn: Connection,
+    rx: Receiver<Msg>,
+    batch_max: usize,
+    metrics: &Metrics,
+    mut watchers: Watchers,
+) {
     let mut stopping = false;
     while !stopping {
         let mut batch: Vec<Box<dyn Job>> = Vec::new();
@@ -166,8 +236,9 @@ fn run(conn: Connection, rx: Receiver<Msg>, batch_max: usize, metrics: &Metrics)
         metrics
             .commit_duration_seconds
             .observe(started.elapsed().as_secs_f64());
-        if let Err(why) = &outcome {
-            log::warn!("write batch of {} failed: {why}", batch.len());
+        match &outcome {
+            Ok(()) => watchers.committed(),
+            Err(why) => log::warn!("write batch of {} failed: {why}", batch.len()),
         }
         for job in batch {
             job.finish(outcome.clone());
@@ -176,6 +247,10 @@ fn run(conn: Connection, rx: Receiver<Msg>, batch_max: usize, metrics: &Metrics)
     // Commands that raced with Stop still get an answer.
     while let Ok(Msg::Job(job)) = rx.try_recv() {
         job.finish(Err("server is shutting down".into()));
+    }
+    // Its checkpoint would make the final one wait.
+    if let Some(c) = watchers.checkpointer.as_mut() {
+        c.stop();
     }
     if let Err(e) = conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)") {
         log::warn!("final checkpoint failed: {e}");
