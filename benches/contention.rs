@@ -18,25 +18,53 @@
 //! with one subscribed endpoint, a receiver in this process, vs none, and
 //! the time from each event's commit to its arrival), and, only when named,
 //! `batch_sweep` (how the default
-//! `--commit-batch-max` was chosen) and `ab` (unique keys, this build's
+//! `--commit-batch-max` was chosen), `ab` (unique keys, this build's
 //! server vs the `idem` binary at `IDEM_BENCH_AB_BIN`, in alternating
-//! rounds: a before/after comparison on a busy machine).
+//! rounds: a before/after comparison on a busy machine), `open_loop` and
+//! `targets`.
+//!
+//! `open_loop` offers a constant `IDEM_BENCH_OPEN_RATE` charges/s (default
+//! 3000) from a pool of 256 keep-alive senders ([`drive_open`]): request `i`
+//! is due at `t0 + i / rate`, and its latency runs from that intended send
+//! time to its answer, so time spent queued behind a slow answer counts (no
+//! coordinated omission). It reports the offered and achieved rates,
+//! p50/p99/p99.9/max, and the requests that started more than 1 ms late —
+//! the generator's own limit, told apart from the server's: a late start
+//! while every other sender awaited an answer is the server's backlog, any
+//! other is the generator not being scheduled in time.
+//!
+//! `targets` measures every row of issue 12's table in one run, on this
+//! machine, each server with its default flags (WAL, `synchronous=FULL`)
+//! and one webhook endpoint subscribed to every event at a receiver of its
+//! own: unique-key charges/s at 64 and 256 connections, group commit vs
+//! `--commit-batch-max 1` at 64, the open loop at `IDEM_BENCH_OPEN_RATE`,
+//! one merchant account vs spread at 64 (throughput and p99.9), webhook
+//! commit→arrival p99 under the 64-connection load, and RSS over a run of
+//! `IDEM_BENCH_RSS_SECONDS` (default 300 here) at 64 connections, sampled
+//! 15 times and called flat when the samples from the end of the first
+//! fifth on span less than 4 MiB. Rounds alternate the variants; each
+//! measure is its median over `IDEM_BENCH_ROUNDS`. It ends with a table
+//! `| measure | target | measured | met |`, also stored under "targets".
+//! Every run checks one charge per 201.
+//!
 //! Results go to `target/bench/contention.json`.
 //!
 //! `IDEM_BENCH_SECONDS` sets each measured run's length (default 5);
-//! `IDEM_BENCH_ROUNDS` how many alternating rounds `unique` runs (default 3,
-//! the median is reported);
+//! `IDEM_BENCH_ROUNDS` how many rounds `unique`, `hot_key`, `webhooks`,
+//! `ab`, `open_loop` and `targets` run (default 3, the median is reported);
 //! `IDEM_BENCH_SERVER_ARGS` adds flags to every server started;
 //! `IDEM_BENCH_UNIQUE_CONNS` picks the connection counts of `unique`;
-//! `IDEM_BENCH_RSS_SECONDS` the length of `rss` (default 60).
+//! `IDEM_BENCH_RSS_SECONDS` the length of `rss` (default 60) and of the RSS
+//! run of `targets` (default 300); `IDEM_BENCH_OPEN_RATE` the offered rate
+//! of `open_loop` and of the open-loop row of `targets` (default 3000).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -394,6 +422,12 @@ struct Tally {
     replays: u64,
     errors: u64,
     answered: bool,
+    /// Open loop only: requests sent more than [`LATE`] after their
+    /// intended send time, those of them sent while every other sender was
+    /// awaiting an answer, and the largest lateness (µs).
+    late_starts: u64,
+    late_all_busy: u64,
+    max_late_us: u64,
 }
 
 struct Run {
@@ -449,6 +483,19 @@ impl Run {
     fn rate(&self) -> f64 {
         self.ok() as f64 / self.seconds
     }
+    fn late_starts(&self) -> u64 {
+        self.tallies.iter().map(|t| t.late_starts).sum()
+    }
+    fn late_all_busy(&self) -> u64 {
+        self.tallies.iter().map(|t| t.late_all_busy).sum()
+    }
+    fn max_late_us(&self) -> u64 {
+        self.tallies
+            .iter()
+            .map(|t| t.max_late_us)
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 fn pct(sorted: &[u64], p: f64) -> f64 {
@@ -503,6 +550,125 @@ fn drive(addr: SocketAddr, key: &str, conns: usize, duration: Duration, next: Ne
     }
 }
 
+/// How late (after its intended send time) an open-loop request may start
+/// before it counts as a late start: the load generator fell behind.
+const LATE: Duration = Duration::from_millis(1);
+
+/// Open-loop load: a constant `rate` of charges for `duration`, whatever
+/// the server's latency. Request `i` is due at `t0 + i / rate`; a pool of
+/// `conns` keep-alive connection threads takes the next index from a shared
+/// counter, sleeps until that request is due (sends at once if it is
+/// already late), sends it, and records latency = completion − intended
+/// send time. A slow answer therefore delays no later request's clock:
+/// the time a request spends waiting for a free sender counts in its
+/// latency (no coordinated omission). Each sender opens its connection
+/// before the clock starts. `next(sender index, request index)` gives
+/// (idempotency key, body).
+///
+/// A late start (more than [`LATE`]) means the generator did not send on
+/// time: if every other sender was awaiting an answer, the pool was
+/// exhausted by a slow server (`late_all_busy`); otherwise the generator's
+/// threads were not scheduled in time (a generator limit, its CPU).
+/// `Run::seconds` runs from `t0` to the last answer, so `Run::rate` is the
+/// achieved rate.
+fn drive_open(
+    addr: SocketAddr,
+    key: &str,
+    conns: usize,
+    rate: f64,
+    duration: Duration,
+    next: Next,
+) -> Run {
+    let total = (rate * duration.as_secs_f64()).round() as u64;
+    let ready = Arc::new(Barrier::new(conns + 1));
+    let go = Arc::new(Barrier::new(conns + 1));
+    let t0: Arc<OnceLock<Instant>> = Arc::default();
+    let index = Arc::new(AtomicU64::new(0));
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let handles: Vec<_> = (0..conns)
+        .map(|i| {
+            let (ready, go, t0, index, in_flight, next, key) = (
+                ready.clone(),
+                go.clone(),
+                t0.clone(),
+                index.clone(),
+                in_flight.clone(),
+                next.clone(),
+                key.to_string(),
+            );
+            std::thread::spawn(move || {
+                let mut conn = Conn::new(addr, &key);
+                let mut t = Tally::default();
+                // Connect now: the schedule measures charges, not handshakes.
+                let _ = conn.request("GET", "/v1/accounts/card0", None, "");
+                ready.wait();
+                go.wait();
+                let t0 = *t0.get().unwrap();
+                loop {
+                    let n = index.fetch_add(1, Ordering::Relaxed);
+                    if n >= total {
+                        break;
+                    }
+                    let (k, body) = next(i, n);
+                    let due = t0 + Duration::from_secs_f64(n as f64 / rate);
+                    let wait = due.saturating_duration_since(Instant::now());
+                    if !wait.is_zero() {
+                        std::thread::sleep(wait);
+                    }
+                    let late = Instant::now().saturating_duration_since(due);
+                    let others_busy = in_flight.fetch_add(1, Ordering::Relaxed);
+                    if late > LATE {
+                        t.late_starts += 1;
+                        t.late_all_busy += u64::from(others_busy + 1 >= conns);
+                    }
+                    t.max_late_us = t.max_late_us.max(late.as_micros() as u64);
+                    let answer = conn.request("POST", "/v1/charges", Some(&k), &body);
+                    let done = Instant::now();
+                    in_flight.fetch_sub(1, Ordering::Relaxed);
+                    match answer {
+                        Ok(a) => {
+                            t.latencies_us.push((done - due).as_micros() as u64);
+                            *t.by_status.entry(a.status).or_default() += 1;
+                            t.replays += u64::from(a.replayed);
+                            t.answered = true;
+                        }
+                        Err(_) => t.errors += 1,
+                    }
+                }
+                t
+            })
+        })
+        .collect();
+    ready.wait();
+    let start = Instant::now() + Duration::from_millis(20);
+    t0.set(start).unwrap();
+    go.wait();
+    let tallies: Vec<Tally> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    Run {
+        seconds: start.elapsed().as_secs_f64(),
+        tallies,
+        commands_per_commit: None,
+    }
+}
+
+/// `IDEM_BENCH_OPEN_RATE`: the charges per second `open_loop` (and the
+/// open-loop row of `targets`) offers (default 3000).
+fn open_rate() -> f64 {
+    std::env::var("IDEM_BENCH_OPEN_RATE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|r: &f64| *r > 0.0)
+        .unwrap_or(3000.0)
+}
+
+/// `IDEM_BENCH_RSS_SECONDS`, or `default`.
+fn rss_seconds(default: f64) -> f64 {
+    std::env::var("IDEM_BENCH_RSS_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 fn unique_keys(
     conns: usize,
     hot_account: bool,
@@ -534,7 +700,90 @@ fn row(name: &str, r: &Run, conns: usize) -> Value {
         "p50_ms": pct(&lat, 0.50),
         "p99_ms": pct(&lat, 0.99),
         "p999_ms": pct(&lat, 0.999),
+        "max_ms": pct(&lat, 1.0),
     })
+}
+
+/// [`row`] of an open-loop run, with the offered rate and the generator's
+/// late starts; `per_second` is the achieved rate.
+fn open_row(name: &str, r: &Run, conns: usize, rate: f64) -> Value {
+    let mut v = row(name, r, conns);
+    v["offered_per_second"] = json!(rate);
+    v["late_starts"] = json!(r.late_starts());
+    v["late_all_senders_busy"] = json!(r.late_all_busy());
+    v["max_late_ms"] = json!(r.max_late_us() as f64 / 1000.0);
+    v
+}
+
+fn print_open_table(title: &str, rows: &[Value]) {
+    println!("\n## {title}\n");
+    println!(
+        "| run | senders answered | offered/s | achieved/s | p50 ms | p99 ms | p99.9 ms | max ms | late starts (> {LATE:?}) | of which all senders busy | max late ms | non-2xx | errors |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "| {} | {:.0}/{:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {:.0} | {:.2} | {:.0} | {:.0} |",
+            r["name"].as_str().unwrap(),
+            f("answered_connections"),
+            f("connections"),
+            f("offered_per_second"),
+            f("per_second"),
+            f("p50_ms"),
+            f("p99_ms"),
+            f("p999_ms"),
+            f("max_ms"),
+            f("late_starts"),
+            f("late_all_senders_busy"),
+            f("max_late_ms"),
+            f("requests") - f("ok"),
+            f("errors"),
+        );
+    }
+}
+
+/// A row whose every numeric field is the median of that field over
+/// `rounds` (each measure its own median, possibly from different rounds).
+fn median_row(name: &str, rounds: &[Value]) -> Value {
+    let mut m = rounds[0].clone();
+    for (k, v) in m.as_object_mut().unwrap() {
+        if v.is_number() {
+            *v = json!(median(
+                rounds.iter().filter_map(|r| r[k].as_f64()).collect()
+            ));
+        }
+    }
+    m["name"] = json!(name);
+    m
+}
+
+/// Commit→arrival of each run's webhook events, as the `webhooks` scenario
+/// prints it.
+fn print_deliveries(rows: &[Value]) {
+    println!(
+        "\n| run | events | delivered | drain after load s | commit→arrival p50 ms | p99 ms | max ms |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for a in rows {
+        let f = |k: &str| a[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "| {} | {} | {} | {:.2} | {:.1} | {:.1} | {:.1} |",
+            a["name"].as_str().unwrap(),
+            a["events"],
+            a["delivered"],
+            f("drain_s_after_load"),
+            f("delivery_p50_ms"),
+            f("delivery_p99_ms"),
+            f("delivery_max_ms"),
+        );
+    }
+}
+
+/// The median (the upper one of an even count) of `v`; NaN if empty.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// The round with the median throughput, annotated with the spread.
@@ -720,6 +969,107 @@ impl Receiver {
             .map(|(d, _)| *d)
             .collect()
     }
+
+    /// Delays (µs) of the events created from `from_ms` to `to_ms` (ms
+    /// since the epoch, the load's own start and end), sorted.
+    fn delays_us_between(&self, from_ms: i64, to_ms: i64) -> Vec<u64> {
+        let mut delays: Vec<u64> = self
+            .seen
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|(_, at)| (from_ms..=to_ms).contains(at))
+            .map(|(d, _)| *d)
+            .collect();
+        delays.sort_unstable();
+        delays
+    }
+}
+
+/// Starts a [`Receiver`] and subscribes one endpoint of `server` to every
+/// event at it.
+fn subscribe(server: &ServerProc) -> Receiver {
+    let receiver = Receiver::start();
+    let body = json!({"url": format!("http://{}/hook", receiver.addr), "enabled_events": ["*"]})
+        .to_string();
+    let made = Conn::new(server.addr, &server.key)
+        .request("POST", "/v1/webhook_endpoints", None, &body)
+        .unwrap();
+    assert_eq!(made.status, 201, "{}", String::from_utf8_lossy(&made.body));
+    receiver
+}
+
+/// A server as every run of `targets` has it: `idem serve` (default flags
+/// but the run's own), one webhook endpoint subscribed to every event at a
+/// receiver of its own, and `accounts` account pairs.
+struct Subscribed {
+    server: ServerProc,
+    receiver: Receiver,
+    accounts: usize,
+}
+
+impl Subscribed {
+    fn start(args: &[&str], accounts: usize) -> Subscribed {
+        let server = ServerProc::start(args);
+        let receiver = subscribe(&server);
+        setup_accounts(server.addr, &server.key, accounts);
+        Subscribed {
+            server,
+            receiver,
+            accounts,
+        }
+    }
+
+    /// Waits (at most 120 s) until every event the server wrote has
+    /// arrived — an `account.created` per account, a `charge.succeeded`
+    /// per charge — and adds to `r` the events, how many arrived, how long
+    /// the backlog took to drain after the load, and the commit→arrival
+    /// percentiles of the events created from `from_ms` to `to_ms`.
+    fn deliveries(&self, run: &Run, from_ms: i64, to_ms: i64, r: &mut Value) {
+        let events = 2 * self.accounts as u64 + run.ok();
+        let drained = Instant::now();
+        while self.receiver.distinct() < events && drained.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let delays = self.receiver.delays_us_between(from_ms, to_ms);
+        r["events"] = json!(events);
+        r["delivered"] = json!(self.receiver.distinct());
+        r["drain_s_after_load"] = json!(drained.elapsed().as_secs_f64());
+        r["delivery_p50_ms"] = json!(pct(&delays, 0.50));
+        r["delivery_p99_ms"] = json!(pct(&delays, 0.99));
+        r["delivery_max_ms"] = json!(pct(&delays, 1.0));
+    }
+}
+
+/// Unique charges from `conns` connections for `duration` (the server has
+/// their accounts), sampling the server `samples` times at equal intervals
+/// and once before: seconds into the run, charges made, VmRSS, and the
+/// ledger's and the acquirer simulator's files on disk.
+fn load_sampling_rss(
+    server: &ServerProc,
+    conns: usize,
+    duration: Duration,
+    samples: u32,
+) -> (Run, Vec<Value>) {
+    let sample = |at: Duration| {
+        json!({
+            "seconds": at.as_secs_f64(),
+            "charges": charges_created(server.addr, &server.key),
+            "rss_kib": server.rss_kib(),
+            "ledger_bytes": server.file_bytes("idem.db"),
+            "acquirer_bytes": server.file_bytes("idem.db.acquirer.sqlite"),
+        })
+    };
+    let mut taken = vec![sample(Duration::ZERO)];
+    let (addr, key) = (server.addr, server.key.clone());
+    let next = unique_keys(conns, false);
+    let driver = std::thread::spawn(move || drive(addr, &key, conns, duration, next));
+    let started = Instant::now();
+    for i in 1..=samples {
+        std::thread::sleep((duration * i / samples).saturating_sub(started.elapsed()));
+        taken.push(sample(started.elapsed()));
+    }
+    (driver.join().unwrap(), taken)
 }
 
 // ---------------------------------------------------------------------------
@@ -741,6 +1091,19 @@ const LOSER_PAUSE: Duration = Duration::from_millis(10);
 /// the server's RSS is sampled over the run (plus once before it).
 const RSS_CONNS: usize = 16;
 const RSS_SAMPLES: u32 = 12;
+
+/// `targets`: the connections of its closed-loop rows.
+const TARGET_CONNS: usize = 64;
+const TARGET_WIDE_CONNS: usize = 256;
+/// Open-loop senders: at 3,000 charges/s the pool runs dry only once
+/// answers take longer than 85 ms (256 / 3,000 s), far past the target.
+const OPEN_SENDERS: usize = 256;
+/// The RSS run of `targets`: samples over the run (every 20 s of 300 s),
+/// and the flatness criterion: RSS is flat when the samples taken from the
+/// end of the first fifth of the run on (the last 4 minutes of 5) span less
+/// than this.
+const TARGET_RSS_SAMPLES: u32 = 15;
+const RSS_FLAT_MIB: f64 = 4.0;
 
 /// What a connection thread sends next: (idempotency key, body) for the
 /// connection's index and its request counter.
@@ -992,11 +1355,13 @@ impl Bench {
         }
         print_table("hot account: every charge credits one merchant", &rows);
         println!(
-            "\nhot/spread throughput: {}",
+            "\nhot/spread throughput: {}; p99.9 hot {:.2} ms, spread {:.2} ms",
             ratio(
                 rows[1]["per_second"].as_f64().unwrap(),
                 rows[0]["per_second"].as_f64().unwrap()
-            )
+            ),
+            rows[1]["p999_ms"].as_f64().unwrap_or(f64::NAN),
+            rows[0]["p999_ms"].as_f64().unwrap_or(f64::NAN),
         );
         self.results.insert("hot_account".into(), json!(rows));
     }
@@ -1011,17 +1376,7 @@ impl Bench {
         for _ in 0..self.rounds {
             for (i, subscribed) in [false, true].into_iter().enumerate() {
                 let server = ServerProc::start(&[]);
-                let receiver = subscribed.then(|| {
-                    let receiver = Receiver::start();
-                    let body = json!({"url": format!("http://{}/hook", receiver.addr),
-                                      "enabled_events": ["*"]})
-                    .to_string();
-                    let made = Conn::new(server.addr, &server.key)
-                        .request("POST", "/v1/webhook_endpoints", None, &body)
-                        .unwrap();
-                    assert_eq!(made.status, 201, "{}", String::from_utf8_lossy(&made.body));
-                    receiver
-                });
+                let receiver = subscribed.then(|| subscribe(&server));
                 setup_accounts(server.addr, &server.key, CONNS);
                 let run = drive(
                     server.addr,
@@ -1102,39 +1457,364 @@ subscribed/none throughput: {}",
         );
     }
 
-    /// How `--commit-batch-max` was chosen: 64 connections, unique keys.
+    /// One closed-loop run of `targets`: unique charges from `conns`
+    /// connections (every one crediting `shop0` if `hot`) for the run's
+    /// length at a [`Subscribed`] server with `args`. Its row, with the
+    /// mean commands per commit, peak RSS, the server's CPU per charge and
+    /// the webhook deliveries (after the backlog drained).
+    fn subscribed_run(&self, label: &str, args: &[&str], conns: usize, hot: bool) -> Value {
+        let s = Subscribed::start(args, conns);
+        let (addr, key) = (s.server.addr, s.server.key.clone());
+        let (commands, commits) = commit_counters(addr, &key);
+        let cpu_before = s.server.cpu_ms();
+        let from_ms = wall_us() / 1000;
+        let run = drive(addr, &key, conns, self.duration, unique_keys(conns, hot));
+        let to_ms = wall_us() / 1000;
+        let cpu_us = (s.server.cpu_ms() - cpu_before) * 1000.0 / run.ok().max(1) as f64;
+        let (commands_after, commits_after) = commit_counters(addr, &key);
+        let mut r = row(label, &run, conns);
+        r["mean_batch"] = json!((commands_after - commands) / (commits_after - commits));
+        r["peak_rss_kib"] = json!(s.server.peak_rss_kib());
+        r["server_cpu_us_per_charge"] = json!(cpu_us);
+        s.deliveries(&run, from_ms, to_ms, &mut r);
+        assert_one_charge_per_201(&s.server, &run);
+        r
+    }
+
+    /// One open-loop round: `rate` charges/s for the run's length from
+    /// [`OPEN_SENDERS`] senders at a [`Subscribed`] server.
+    fn open_round(&self, rate: f64) -> Value {
+        let s = Subscribed::start(&[], OPEN_SENDERS);
+        let (addr, key) = (s.server.addr, s.server.key.clone());
+        let from_ms = wall_us() / 1000;
+        let next = unique_keys(OPEN_SENDERS, false);
+        let run = drive_open(addr, &key, OPEN_SENDERS, rate, self.duration, next);
+        let to_ms = wall_us() / 1000;
+        let name = format!("open loop, {rate:.0}/s offered");
+        let mut r = open_row(&name, &run, OPEN_SENDERS, rate);
+        r["peak_rss_kib"] = json!(s.server.peak_rss_kib());
+        s.deliveries(&run, from_ms, to_ms, &mut r);
+        assert_one_charge_per_201(&s.server, &run);
+        r
+    }
+
+    /// `open_loop` (only when named): `IDEM_BENCH_OPEN_RATE` charges/s
+    /// (default 3000) offered at a constant rate for the run's length, in
+    /// `IDEM_BENCH_ROUNDS` rounds, each at a fresh server with one webhook
+    /// endpoint subscribed to every event (as in `targets`); latency from
+    /// each request's intended send time.
+    fn open_loop(&mut self) {
+        let rate = open_rate();
+        let mut rows: Vec<Value> = (0..self.rounds).map(|_| self.open_round(rate)).collect();
+        for (i, r) in rows.iter_mut().enumerate() {
+            r["name"] = json!(format!("{}, round {}", r["name"].as_str().unwrap(), i + 1));
+        }
+        let med = median_row(&format!("median of {}", rows.len()), &rows);
+        let mut table = rows.clone();
+        table.push(med.clone());
+        print_open_table(
+            &format!(
+                "open loop: {rate:.0} charges/s offered by {OPEN_SENDERS} senders, latency from the intended send time"
+            ),
+            &table,
+        );
+        print_deliveries(&rows);
+        self.results.insert(
+            "open_loop".into(),
+            json!({"offered_per_second": rate, "senders": OPEN_SENDERS, "rounds": rows, "median": med}),
+        );
+    }
+
+    /// The RSS row of `targets`: unique charges from [`TARGET_CONNS`]
+    /// connections (full load) for `seconds` at a [`Subscribed`] server,
+    /// RSS sampled [`TARGET_RSS_SAMPLES`] times. Flat: the samples from
+    /// the end of the run's first fifth on span less than [`RSS_FLAT_MIB`].
+    fn targets_rss(&self, seconds: f64) -> Value {
+        let s = Subscribed::start(&[], TARGET_CONNS);
+        let from_ms = wall_us() / 1000;
+        let duration = Duration::from_secs_f64(seconds);
+        let (run, samples) =
+            load_sampling_rss(&s.server, TARGET_CONNS, duration, TARGET_RSS_SAMPLES);
+        let to_ms = wall_us() / 1000;
+        let kib = |v: &Value| v["rss_kib"].as_f64().unwrap();
+        let charges = |v: &Value| v["charges"].as_f64().unwrap();
+        // samples[0] is before the load, samples[i] at i/SAMPLES of it.
+        let window = &samples[(TARGET_RSS_SAMPLES / 5) as usize..];
+        let (lo, hi) = window
+            .iter()
+            .map(kib)
+            .fold((f64::INFINITY, 0.0f64), |(lo, hi), k| {
+                (lo.min(k), hi.max(k))
+            });
+        let spread_mib = (hi - lo) / 1024.0;
+        let (first, last) = (&window[0], &window[window.len() - 1]);
+        let growth_kib_per_1000 =
+            (kib(last) - kib(first)) / ((charges(last) - charges(first)) / 1000.0);
+        let mut r = row(
+            &format!("full load, {TARGET_CONNS} conns, {seconds:.0} s"),
+            &run,
+            TARGET_CONNS,
+        );
+        r["samples"] = json!(samples);
+        r["window_from_s"] = first["seconds"].clone();
+        r["final_rss_mib"] = json!(kib(last) / 1024.0);
+        r["peak_rss_mib"] = json!(s.server.peak_rss_kib() as f64 / 1024.0);
+        r["window_spread_mib"] = json!(spread_mib);
+        r["window_growth_kib_per_1000_charges"] = json!(growth_kib_per_1000);
+        r["flat"] = json!(spread_mib < RSS_FLAT_MIB);
+        s.deliveries(&run, from_ms, to_ms, &mut r);
+        assert_one_charge_per_201(&s.server, &run);
+        let mib = |v: &Value| v.as_f64().unwrap() / (1024.0 * 1024.0);
+        println!(
+            "\n## targets, RSS: {TARGET_CONNS} connections of unique charges for {seconds:.0} s, one subscribed endpoint\n"
+        );
+        println!("| s | charges | RSS MiB | ledger db+wal MiB | acquirer db+wal MiB |");
+        println!("|---|---|---|---|---|");
+        for x in &samples {
+            println!(
+                "| {:.1} | {} | {:.1} | {:.1} | {:.1} |",
+                x["seconds"].as_f64().unwrap(),
+                x["charges"],
+                kib(x) / 1024.0,
+                mib(&x["ledger_bytes"]),
+                mib(&x["acquirer_bytes"]),
+            );
+        }
+        println!(
+            "\nfrom {:.0} s on: RSS {:.1}–{:.1} MiB (spread {spread_mib:.1} MiB; flat means < {RSS_FLAT_MIB} MiB), \
+             {growth_kib_per_1000:+.1} KiB per 1,000 charges; {:.0} charges/s",
+            first["seconds"].as_f64().unwrap(),
+            lo / 1024.0,
+            hi / 1024.0,
+            run.rate(),
+        );
+        r
+    }
+
+    /// `targets` (only when named): every row of issue 12's table in one
+    /// run, each server with one webhook endpoint subscribed to every event
+    /// at a receiver of its own. Each of `IDEM_BENCH_ROUNDS` rounds runs,
+    /// in turn: group commit at 64 connections (also the spread baseline of
+    /// the hot account), one merchant account at 64, `--commit-batch-max 1`
+    /// at 64, group commit at 256, and the open loop; then one RSS run of
+    /// `IDEM_BENCH_RSS_SECONDS` (default 300). Each measure is its median
+    /// over the rounds.
+    fn targets(&mut self) {
+        let rate = open_rate();
+        let rss_secs = rss_seconds(300.0);
+        let batch1: &[&str] = &["--commit-batch-max", "1"];
+        let closed: [(&str, &[&str], usize, bool); 4] = [
+            ("group commit, 64 conns", &[], TARGET_CONNS, false),
+            ("one merchant account, 64 conns", &[], TARGET_CONNS, true),
+            ("batch-max 1, 64 conns", batch1, TARGET_CONNS, false),
+            ("group commit, 256 conns", &[], TARGET_WIDE_CONNS, false),
+        ];
+        let mut rounds: Vec<Vec<Value>> = vec![Vec::new(); closed.len()];
+        let mut open = Vec::new();
+        let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        for round in 1..=self.rounds {
+            for (i, (label, args, conns, hot)) in closed.iter().enumerate() {
+                let r = self.subscribed_run(label, args, *conns, *hot);
+                println!(
+                    "round {round}: {label}: {:.0}/s, p99 {:.1} ms, p99.9 {:.1} ms; webhooks {}/{}, commit→arrival p99 {:.0} ms",
+                    f(&r, "per_second"),
+                    f(&r, "p99_ms"),
+                    f(&r, "p999_ms"),
+                    r["delivered"],
+                    r["events"],
+                    f(&r, "delivery_p99_ms"),
+                );
+                rounds[i].push(r);
+            }
+            let mut r = self.open_round(rate);
+            r["name"] = json!(format!("{}, round {round}", r["name"].as_str().unwrap()));
+            println!(
+                "round {round}: open loop {rate:.0}/s offered: {:.0}/s achieved, p99 {:.1} ms, p99.9 {:.1} ms, {} late starts",
+                f(&r, "per_second"),
+                f(&r, "p99_ms"),
+                f(&r, "p999_ms"),
+                r["late_starts"],
+            );
+            open.push(r);
+        }
+        let rss = self.targets_rss(rss_secs);
+
+        let medians: Vec<Value> = rounds.iter().cloned().map(median_by_rate).collect();
+        print_table(
+            "targets: closed-loop runs, one subscribed endpoint each (the median round by ok/s)",
+            &medians,
+        );
+        let open_median = median_row(&format!("median of {}", open.len()), &open);
+        let mut open_table = open.clone();
+        open_table.push(open_median.clone());
+        print_open_table(
+            &format!("targets: open loop, {rate:.0} charges/s offered by {OPEN_SENDERS} senders"),
+            &open_table,
+        );
+        let mut delivered: Vec<Value> = rounds.iter().flatten().cloned().collect();
+        delivered.extend(open.iter().cloned());
+        delivered.push(rss.clone());
+        print_deliveries(&delivered);
+
+        // Each measure: its median over the rounds.
+        let med = |rs: &[Value], k: &str| median(rs.iter().map(|r| f(r, k)).collect());
+        let each = |rs: &[Value], k: &str, digits: usize| {
+            rs.iter()
+                .map(|r| format!("{:.*}", digits, f(r, k)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let per_round_ratio = |a: &[Value], b: &[Value]| {
+            a.iter()
+                .zip(b)
+                .map(|(a, b)| ratio(f(a, "per_second"), f(b, "per_second")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let (g64, hot, b1, g256) = (&rounds[0], &rounds[1], &rounds[2], &rounds[3]);
+        let n = self.rounds;
+        let mut table: Vec<(String, String, String, bool)> = Vec::new();
+        let g64_rate = med(g64, "per_second");
+        table.push((
+            "unique-key charges/s, 64 keep-alive connections".into(),
+            "≥ 6,500".into(),
+            format!(
+                "{g64_rate:.0} (median of {n}: {})",
+                each(g64, "per_second", 0)
+            ),
+            g64_rate >= 6500.0,
+        ));
+        let g256_rate = med(g256, "per_second");
+        table.push((
+            "unique-key charges/s, 256 connections".into(),
+            "≥ 10,000".into(),
+            format!(
+                "{g256_rate:.0} (median of {n}: {})",
+                each(g256, "per_second", 0)
+            ),
+            g256_rate >= 10_000.0,
+        ));
+        let b1_rate = med(b1, "per_second");
+        table.push((
+            "group commit vs `--commit-batch-max 1`, 64 connections (throughput ratio)".into(),
+            "≥ 6×".into(),
+            format!(
+                "{:.2}× ({g64_rate:.0} vs {b1_rate:.0}/s; per round {})",
+                g64_rate / b1_rate,
+                per_round_ratio(g64, b1)
+            ),
+            g64_rate / b1_rate >= 6.0,
+        ));
+        let (open_p99, open_p999) = (med(&open, "p99_ms"), med(&open, "p999_ms"));
+        table.push((
+            format!(
+                "open-loop: a constant {rate:.0} charges/s offered, latency from each request's intended send time"
+            ),
+            "p99 ≤ 10 ms, p99.9 ≤ 25 ms".into(),
+            format!(
+                "p99 {open_p99:.2} ms, p99.9 {open_p999:.2} ms (p99.9 per round {}; achieved {:.0}/s; late starts > {LATE:?}: {:.0} of {:.0}, {:.0} with all senders busy)",
+                each(&open, "p999_ms", 2),
+                med(&open, "per_second"),
+                med(&open, "late_starts"),
+                med(&open, "requests"),
+                med(&open, "late_all_senders_busy"),
+            ),
+            open_p99 <= 10.0 && open_p999 <= 25.0,
+        ));
+        let hot_rate = med(hot, "per_second");
+        let hot_p999 = med(hot, "p999_ms");
+        table.push((
+            "hot account (every charge credits one merchant) vs spread".into(),
+            "≥ 0.9× throughput, hot p99.9 ≤ 50 ms".into(),
+            format!(
+                "{:.2}× ({hot_rate:.0} vs {g64_rate:.0}/s; per round {}), hot p99.9 {hot_p999:.1} ms (spread {:.1})",
+                hot_rate / g64_rate,
+                per_round_ratio(hot, g64),
+                med(g64, "p999_ms"),
+            ),
+            hot_rate / g64_rate >= 0.9 && hot_p999 <= 50.0,
+        ));
+        let (final_mib, spread) = (f(&rss, "final_rss_mib"), f(&rss, "window_spread_mib"));
+        table.push((
+            format!("RSS after a {rss_secs:.0} s run at full load (64 connections)"),
+            format!("< 64 MiB and flat from {:.0} s on (spread < {RSS_FLAT_MIB} MiB)", rss_secs / 5.0),
+            format!(
+                "{final_mib:.1} MiB (peak {:.1}); spread {spread:.1} MiB from {:.0} s on, {:+.1} KiB per 1,000 charges",
+                f(&rss, "peak_rss_mib"),
+                f(&rss, "window_from_s"),
+                f(&rss, "window_growth_kib_per_1000_charges"),
+            ),
+            final_mib < 64.0 && spread < RSS_FLAT_MIB,
+        ));
+        let delivery_p99 = med(g64, "delivery_p99_ms");
+        let (got, expected) = g64.iter().fold((0.0, 0.0), |(g, e), r| {
+            (g + f(r, "delivered"), e + f(r, "events"))
+        });
+        table.push((
+            "webhook delivery, commit → receiver, p99 under the 64-connection load".into(),
+            "≤ 250 ms".into(),
+            format!(
+                "{delivery_p99:.0} ms (median of {n}: {}; delivered {got:.0}/{expected:.0}); \
+                 for comparison, over the {rss_secs:.0} s RSS run at the same load: {:.0} ms",
+                each(g64, "delivery_p99_ms", 0),
+                f(&rss, "delivery_p99_ms"),
+            ),
+            delivery_p99 <= 250.0 && got == expected,
+        ));
+
+        let mut markdown =
+            String::from("| measure | target | measured | met |\n|---|---|---|---|\n");
+        for (measure, target, measured, met) in &table {
+            let met = if *met { "yes" } else { "**no**" };
+            markdown.push_str(&format!("| {measure} | {target} | {measured} | {met} |\n"));
+        }
+        let flags = server_args(&[]).join(" ");
+        println!(
+            "\n## targets (issue 12): {} s runs, median of {n} rounds, {} s RSS run; every server with one endpoint subscribed to every event (flags: {})\n",
+            self.duration.as_secs_f64(),
+            rss_secs,
+            if flags.is_empty() { "defaults" } else { &flags },
+        );
+        print!("{markdown}");
+        println!(
+            "\n(flat: the RSS samples from the end of the run's first fifth on span less than {RSS_FLAT_MIB} MiB; \
+             the hot account's spread baseline is the 64-connection group-commit run of the same round; \
+             commit→arrival over the events created while the load ran)"
+        );
+        let rows: Vec<Value> = table
+            .iter()
+            .map(|(measure, target, measured, met)| {
+                json!({"measure": measure, "target": target, "measured": measured, "met": met})
+            })
+            .collect();
+        self.results.insert(
+            "targets".into(),
+            json!({
+                "table": rows,
+                "markdown": markdown,
+                "seconds": self.duration.as_secs_f64(),
+                "rounds": n,
+                "flags": flags,
+                "closed_loop_medians": medians,
+                "closed_loop_rounds": rounds,
+                "open_loop": {"offered_per_second": rate, "senders": OPEN_SENDERS,
+                              "rounds": open, "median": open_median},
+                "rss": rss,
+            }),
+        );
+    }
+
     /// RSS over a long run of unique charges (`IDEM_BENCH_RSS_SECONDS`,
     /// default 60): the server child's VmRSS sampled from /proc at equal
     /// intervals, with the charges made so far and the size on disk of the
     /// ledger and of the acquirer simulator's file. What the server holds
     /// per charge ever made shows up as RSS growing with the charges.
     fn rss(&mut self) {
-        let seconds: f64 = std::env::var("IDEM_BENCH_RSS_SECONDS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(60.0);
+        let seconds = rss_seconds(60.0);
         let duration = Duration::from_secs_f64(seconds);
         let server = ServerProc::start(&[]);
         setup_accounts(server.addr, &server.key, RSS_CONNS);
-        let sample = |at: Duration| {
-            json!({
-                "seconds": at.as_secs_f64(),
-                "charges": charges_created(server.addr, &server.key),
-                "rss_kib": server.rss_kib(),
-                "ledger_bytes": server.file_bytes("idem.db"),
-                "acquirer_bytes": server.file_bytes("idem.db.acquirer.sqlite"),
-            })
-        };
-        let mut samples = vec![sample(Duration::ZERO)];
-        let (addr, key) = (server.addr, server.key.clone());
-        let next = unique_keys(RSS_CONNS, false);
-        let driver = std::thread::spawn(move || drive(addr, &key, RSS_CONNS, duration, next));
-        let started = Instant::now();
-        for i in 1..=RSS_SAMPLES {
-            std::thread::sleep((duration * i / RSS_SAMPLES).saturating_sub(started.elapsed()));
-            samples.push(sample(started.elapsed()));
-        }
-        let run = driver.join().unwrap();
+        let (run, samples) = load_sampling_rss(&server, RSS_CONNS, duration, RSS_SAMPLES);
         assert_one_charge_per_201(&server, &run);
         let mib = |v: &Value| v.as_f64().unwrap() / (1024.0 * 1024.0);
         let flags = server_args(&[]).join(" ");
@@ -1177,6 +1857,7 @@ subscribed/none throughput: {}",
         );
     }
 
+    /// How `--commit-batch-max` was chosen: 64 connections, unique keys.
     fn batch_sweep(&mut self) {
         const CONNS: usize = 64;
         let mut rows = Vec::new();
@@ -1380,6 +2061,14 @@ fn main() {
     // Not in the default set: it only re-derives the default batch size.
     if selected.iter().any(|s| s == "batch_sweep") {
         bench.batch_sweep();
+    }
+    // Only when named: `targets` repeats the others' measures against
+    // issue 12's table (and a 5-minute RSS run); `open_loop` is one of them.
+    if selected.iter().any(|s| s == "open_loop") {
+        bench.open_loop();
+    }
+    if selected.iter().any(|s| s == "targets") {
+        bench.targets();
     }
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)
