@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -63,6 +64,9 @@ pub struct App {
     /// Held for a whole reaper pass, so that the reaper thread and
     /// `Server::reap_now` never expire the same hold at once.
     reaping: std::sync::Mutex<()>,
+    /// Webhook endpoints deleted by this process (see
+    /// [`App::endpoint_deletions`]).
+    endpoint_deletions: AtomicU64,
     /// The sandbox's scripts and the faults of the attempts running now
     /// (all empty outside sandbox mode).
     sandbox: Arc<Sandbox>,
@@ -141,6 +145,7 @@ impl App {
             reservations: Pool::start("reserve", RESERVATION_THREADS, RESERVATION_QUEUE_LEN_MAX),
             operations: Pool::start("op", OPERATION_THREADS, OPERATION_QUEUE_LEN_MAX),
             reaping: std::sync::Mutex::new(()),
+            endpoint_deletions: AtomicU64::new(0),
             me: me.clone(),
         })
     }
@@ -151,6 +156,12 @@ impl App {
         self.reservations.stop();
         self.operations.stop();
         self.writer.stop();
+    }
+
+    /// How many webhook endpoints this process has deleted: the delivery
+    /// dispatcher drops what it read ahead when this changes.
+    pub fn endpoint_deletions(&self) -> u64 {
+        self.endpoint_deletions.load(AtomicOrdering::SeqCst)
     }
 
     /// Receives a message after commits (see [`Writer::commits`]).
@@ -399,6 +410,9 @@ impl App {
             let deleted = app
                 .writer
                 .call(move |tx| webhooks::delete(tx, consumer, &public_id, now_ms()));
+            if matches!(deleted, Ok(Some(_))) {
+                app.endpoint_deletions.fetch_add(1, AtomicOrdering::SeqCst);
+            }
             deliver(match deleted {
                 Ok(Some(_)) => Reply::json(
                     200,

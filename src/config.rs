@@ -103,9 +103,12 @@ pub const WEBHOOK_ENDPOINTS_MAX: usize = 16;
 /// Longest accepted webhook endpoint URL, in bytes.
 pub const WEBHOOK_URL_LEN_MAX: usize = 2048;
 /// Delivery threads: at most this many attempts are on the wire at once,
-/// whatever the backlog, so a thousand hanging receivers cost eight
-/// threads, never an HTTP worker or the writer.
-pub const WEBHOOK_THREADS: usize = 8;
+/// whatever the backlog, so a thousand hanging receivers cost sixteen
+/// threads, never an HTTP worker or the writer. One endpoint may use half
+/// of them: eight attempts in flight keep up with one local receiver
+/// taking every event of a fully loaded server (four fell behind in the
+/// bench, and the commit-to-arrival p99 grew to hundreds of milliseconds).
+pub const WEBHOOK_THREADS: usize = 16;
 /// How often the delivery engine looks for due deliveries when nothing
 /// woke it (a commit that queued deliveries wakes it at once).
 pub const WEBHOOK_POLL_INTERVAL: Duration = Duration::from_millis(50);
