@@ -736,7 +736,9 @@ impl App {
             .try_into()
             .expect("fingerprints are 32 bytes");
         let authorization = match row.recovery_point {
-            RecoveryPoint::Reserved => self.authorize(&owner, row.locked_at_ms, &req, &fp)?,
+            RecoveryPoint::Reserved => {
+                self.authorize(&owner, row.locked_at_ms, row.prechecked, &req, &fp)?
+            }
             _ => row.authorization.clone().unwrap_or_default(),
         };
         if row.recovery_point != RecoveryPoint::Declined {
@@ -996,6 +998,7 @@ impl App {
         &self,
         owner: &Owner,
         locked_at_ms: i64,
+        prechecked: bool,
         req: &ChargeRequest,
         fp: &Fingerprint,
     ) -> Result<String, Reply> {
@@ -1005,9 +1008,11 @@ impl App {
         // key over cannot know that: its predecessor may have been
         // authorised just before it stalled or died. It asks the acquirer
         // (same key: the same authorization, or a first one), and a decline
-        // then goes through the ledger phase, which voids it.
+        // then goes through the ledger phase, which voids it. A synchronous
+        // first owner was pre-checked in its reservation's transaction
+        // (`prepare`).
         let first_owner = owner.generation == 1;
-        let precheck = if first_owner {
+        let precheck = if first_owner && !prechecked {
             self.readers
                 .read(|c| ledger::precheck_charge(c, consumer, req, fp))
         } else {
@@ -1647,6 +1652,28 @@ fn prepare(
         Operation::NotificationSource(req) if mode == Mode::Sync && fresh => {
             let source = inbound::create_source(tx, owner.consumer_id, req, now)?;
             done(json_response(201, &source), false)
+        }
+        // The pre-check of a first owner, here where the writer's pages are
+        // warm rather than on a reader (whose cache every commit empties):
+        // a final outcome completes the key now, without the acquirer; any
+        // other goes on with nothing checked twice. Async keeps its 202 and
+        // checks when it runs.
+        Operation::Charge(req) if mode == Mode::Sync && fresh && owner.generation == 1 => {
+            let fp: Fingerprint = row
+                .fingerprint
+                .as_slice()
+                .try_into()
+                .expect("fingerprints are 32 bytes");
+            match ledger::precheck_charge(tx, owner.consumer_id, req, &fp)? {
+                Some(outcome) => {
+                    let (stored, existing) = charge_response(outcome);
+                    done(stored, existing)
+                }
+                None => {
+                    row.prechecked = true;
+                    Ok(Prepared::Run(row))
+                }
+            }
         }
         Operation::Capture(CaptureRequest { charge, amount }) if !took_over => {
             claim(tx, &owner, charge, Claim::Capture(*amount), now, row, done)

@@ -365,6 +365,10 @@ pub struct KeyRow {
     /// decided before one last acquirer call (`Declined`, `Applied`).
     pub response: Option<StoredResponse>,
     pub completed_at_ms: Option<i64>,
+    /// Not stored: the operation's pre-check ran in the transaction that
+    /// reserved this row and found nothing final, so whoever runs it now
+    /// need not check again before calling the acquirer.
+    pub prechecked: bool,
 }
 
 impl KeyRow {
@@ -429,6 +433,7 @@ fn row_to_key(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
             body: body.unwrap_or_default(),
         }),
         completed_at_ms: r.get(13)?,
+        prechecked: false,
     })
 }
 
@@ -583,6 +588,7 @@ pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Resu
                 authorization: None,
                 response: None,
                 completed_at_ms: None,
+                prechecked: false,
             };
             Ok(Reservation::Owned {
                 row,
@@ -609,6 +615,7 @@ pub fn take_over(conn: &Connection, row: &KeyRow, now_ms: i64) -> Result<KeyRow>
     Ok(KeyRow {
         generation: row.generation + 1,
         locked_at_ms: now_ms,
+        prechecked: false,
         ..row.clone()
     })
 }
