@@ -103,12 +103,14 @@ pub const WEBHOOK_ENDPOINTS_MAX: usize = 16;
 /// Longest accepted webhook endpoint URL, in bytes.
 pub const WEBHOOK_URL_LEN_MAX: usize = 2048;
 /// Delivery threads: at most this many attempts are on the wire at once,
-/// whatever the backlog, so a thousand hanging receivers cost sixteen
-/// threads, never an HTTP worker or the writer. One endpoint may use half
-/// of them: eight attempts in flight keep up with one local receiver
-/// taking every event of a fully loaded server (four fell behind in the
-/// bench, and the commit-to-arrival p99 grew to hundreds of milliseconds).
-pub const WEBHOOK_THREADS: usize = 16;
+/// whatever the backlog, so a thousand hanging receivers cost 32 threads,
+/// never an HTTP worker or the writer. One endpoint may use half of them:
+/// on a 2-core machine whose cores the load keeps busy, every round trip
+/// waits for its turn to run, and 16 attempts in flight are what kept a
+/// local receiver taking every event of a fully loaded server up to date
+/// (with 4, then 8, the backlog grew through the run and the
+/// commit-to-arrival p99 reached 440–850 ms; with 16, 90–150 ms).
+pub const WEBHOOK_THREADS: usize = 32;
 /// How often the delivery engine looks for due deliveries when nothing
 /// woke it (a commit that queued deliveries wakes it at once).
 pub const WEBHOOK_POLL_INTERVAL: Duration = Duration::from_millis(50);
