@@ -1,10 +1,8 @@
 //! Opening the database: pragmas, the schema and its migrations
 //! ([`migrate`], in `migrations.rs`), the process
 //! lock; and the two ways in: the single writer thread ([`Writer`]) and the
-//! pool of read-only connections ([`Readers`]); and the thread that
-//! checkpoints the WAL off the writer's thread (`checkpointer.rs`).
+//! pool of read-only connections ([`Readers`]).
 
-mod checkpointer;
 mod migrations;
 mod readers;
 mod writer;

@@ -8,7 +8,6 @@
 //! command commits at once; nothing waits for a batch to fill.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::Path;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -16,7 +15,6 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use rusqlite::Connection;
 
-use super::checkpointer::{Checkpointer, WAL_AUTOCHECKPOINT_BACKSTOP_PAGES};
 use crate::config::WRITE_QUEUE_LEN_MAX;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -105,13 +103,9 @@ impl Writer {
         // and was parsed and planned again (sqlite3_prepare) on every
         // command. Sized to hold every statement the writer runs.
         conn.set_prepared_statement_cache_capacity(WRITER_STATEMENT_CACHE);
-        let checkpointer = start_checkpointer(&conn);
         let (tx, rx) = crossbeam_channel::bounded(WRITE_QUEUE_LEN_MAX);
         let (commit_tx, committed) = crossbeam_channel::bounded(1);
-        let watchers = Watchers {
-            checkpointer,
-            commit: commit_tx,
-        };
+        let watchers = Watchers { commit: commit_tx };
         let thread = std::thread::Builder::new()
             .name("idem-writer".into())
             .spawn(move || run(conn, rx, commit_batch_max, &metrics, watchers))
@@ -172,35 +166,13 @@ impl Drop for Writer {
     }
 }
 
-/// Moves the WAL's checkpoints off the writer's thread (see
-/// [`checkpointer`](super::checkpointer)); if the thread cannot start, the
-/// writer checkpoints itself as SQLite does by default.
-fn start_checkpointer(conn: &Connection) -> Option<Checkpointer> {
-    let path = conn.path().filter(|p| !p.is_empty())?;
-    let started = Checkpointer::start(Path::new(path)).and_then(|c| {
-        conn.pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT_BACKSTOP_PAGES)?;
-        Ok(c)
-    });
-    match started {
-        Ok(c) => Some(c),
-        Err(e) => {
-            log::warn!("writer: no checkpointer thread, checkpointing on commit: {e}");
-            None
-        }
-    }
-}
-
 /// Who hears of each commit, without ever making the writer wait.
 struct Watchers {
-    checkpointer: Option<Checkpointer>,
     commit: Sender<()>,
 }
 
 impl Watchers {
     fn committed(&self) {
-        if let Some(c) = &self.checkpointer {
-            c.nudge();
-        }
         // Full: a message is already waiting, and it covers this commit.
         let _ = self.commit.try_send(());
     }
@@ -211,7 +183,7 @@ fn run(
     rx: Receiver<Msg>,
     batch_max: usize,
     metrics: &Metrics,
-    mut watchers: Watchers,
+    watchers: Watchers,
 ) {
     let mut stopping = false;
     while !stopping {
@@ -247,10 +219,6 @@ fn run(
     // Commands that raced with Stop still get an answer.
     while let Ok(Msg::Job(job)) = rx.try_recv() {
         job.finish(Err("server is shutting down".into()));
-    }
-    // Its checkpoint would make the final one wait.
-    if let Some(c) = watchers.checkpointer.as_mut() {
-        c.stop();
     }
     if let Err(e) = conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)") {
         log::warn!("final checkpoint failed: {e}");
