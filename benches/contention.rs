@@ -145,6 +145,43 @@ impl ServerProc {
         (ticks(11) + ticks(12)) * 10.0
     }
 
+    /// CPU time (user + system, ms) each group of the server's threads has
+    /// used so far: threads named alike but for a trailing number
+    /// (`idem-op-12`) are one group (`idem-op-N`). A thread that has
+    /// exited is missing, so take the difference of two readings under
+    /// steady load.
+    fn thread_cpu_ms(&self) -> BTreeMap<String, f64> {
+        let mut groups = BTreeMap::new();
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.child.id())) else {
+            return groups;
+        };
+        for task in tasks.flatten() {
+            let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+                continue;
+            };
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                continue;
+            };
+            let name = &stat[open + 1..close];
+            let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+            let ticks = |i: usize| {
+                fields
+                    .get(i)
+                    .and_then(|f| f.parse::<f64>().ok())
+                    .unwrap_or(0.0)
+            };
+            let base = name.trim_end_matches(|c: char| c.is_ascii_digit());
+            let group = if base.len() < name.len() {
+                format!("{base}N")
+            } else {
+                name.to_string()
+            };
+            // utime and stime, in ticks of 10 ms (see `cpu_ms`).
+            *groups.entry(group).or_insert(0.0) += (ticks(11) + ticks(12)) * 10.0;
+        }
+        groups
+    }
+
     /// Resident set size now (VmRSS), in KiB.
     fn rss_kib(&self) -> u64 {
         self.status_kib("VmRSS:")
@@ -496,6 +533,33 @@ impl Run {
             .max()
             .unwrap_or(0)
     }
+}
+
+/// The server's CPU by thread group over a run (`thread_cpu_ms` of a row
+/// from `subscribed_run`): share of the server's total, and per 2xx answer.
+fn print_thread_cpu(title: &str, r: &Value) {
+    let Some(threads) = r["thread_cpu_ms"].as_object() else {
+        return;
+    };
+    let mut threads: Vec<(&String, f64)> = threads
+        .iter()
+        .map(|(t, ms)| (t, ms.as_f64().unwrap_or(0.0)))
+        .filter(|(_, ms)| *ms > 0.0)
+        .collect();
+    threads.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = threads.iter().map(|(_, ms)| ms).sum();
+    let ok = r["ok"].as_f64().unwrap_or(0.0).max(1.0);
+    println!("\n## {title}\n");
+    println!("| thread | CPU ms | share | µs per charge |");
+    println!("|---|---|---|---|");
+    for (t, ms) in &threads {
+        println!(
+            "| `{t}` | {ms:.0} | {:.1} % | {:.0} |",
+            100.0 * ms / total.max(1.0),
+            ms * 1000.0 / ok
+        );
+    }
+    println!("| all | {total:.0} | 100 % | {:.0} |", total * 1000.0 / ok);
 }
 
 fn pct(sorted: &[u64], p: f64) -> f64 {
@@ -1467,15 +1531,26 @@ subscribed/none throughput: {}",
         let (addr, key) = (s.server.addr, s.server.key.clone());
         let (commands, commits) = commit_counters(addr, &key);
         let cpu_before = s.server.cpu_ms();
+        let threads_before = s.server.thread_cpu_ms();
         let from_ms = wall_us() / 1000;
         let run = drive(addr, &key, conns, self.duration, unique_keys(conns, hot));
         let to_ms = wall_us() / 1000;
         let cpu_us = (s.server.cpu_ms() - cpu_before) * 1000.0 / run.ok().max(1) as f64;
+        let threads: BTreeMap<String, f64> = s
+            .server
+            .thread_cpu_ms()
+            .into_iter()
+            .map(|(t, ms)| {
+                let before = threads_before.get(&t).copied().unwrap_or(0.0);
+                (t, ms - before)
+            })
+            .collect();
         let (commands_after, commits_after) = commit_counters(addr, &key);
         let mut r = row(label, &run, conns);
         r["mean_batch"] = json!((commands_after - commands) / (commits_after - commits));
         r["peak_rss_kib"] = json!(s.server.peak_rss_kib());
         r["server_cpu_us_per_charge"] = json!(cpu_us);
+        r["thread_cpu_ms"] = json!(threads);
         s.deliveries(&run, from_ms, to_ms, &mut r);
         assert_one_charge_per_201(&s.server, &run);
         r
@@ -1650,6 +1725,10 @@ subscribed/none throughput: {}",
         print_open_table(
             &format!("targets: open loop, {rate:.0} charges/s offered by {OPEN_SENDERS} senders"),
             &open_table,
+        );
+        print_thread_cpu(
+            "targets: where the server's CPU goes, 64 connections, group commit (the median round)",
+            &medians[0],
         );
         let mut delivered: Vec<Value> = rounds.iter().flatten().cloned().collect();
         delivered.extend(open.iter().cloned());
