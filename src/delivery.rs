@@ -170,9 +170,10 @@ const READ_AHEAD: usize = 64;
 /// It reads up to [`READ_AHEAD`] due deliveries at a time, oldest first,
 /// and hands them out as senders free up; it reads again only once they
 /// are all handed out (or none of them can be, every one's endpoint being
-/// at its share) and something may have come due since: a commit, a retry
-/// recorded, or the poll interval. Reading again after every attempt cost
-/// a sixth of the server's CPU under load. An endpoint's deletion drops
+/// at its share) and more may be due: a commit since, the poll interval
+/// (retries coming due), or a last read that filled its limit (a backlog,
+/// which then drains at the senders' pace). Reading again after every
+/// attempt cost a sixth of the server's CPU under load. An endpoint's deletion drops
 /// what was read ahead, so a deleted endpoint gets no new attempt.
 fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &AtomicBool) {
     // The lease: deliveries handed out and not yet recorded.
@@ -186,6 +187,8 @@ fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &Atom
     let mut ahead: VecDeque<Due> = VecDeque::new();
     // Whether a read may find due deliveries that `ahead` lacks.
     let mut stale = true;
+    // The last read filled its limit: more were due than it took.
+    let mut more = false;
     let mut deletions = app.endpoint_deletions();
     let mut polled_at = Instant::now();
     while !stopping.load(Ordering::SeqCst) {
@@ -214,12 +217,17 @@ fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &Atom
                 break;
             }
             if pass == 1 {
-                if !stale {
+                // A backlog drains at the senders' pace, not a read per
+                // poll interval.
+                let backlog = more && ahead.is_empty();
+                if !(stale || backlog) {
                     break;
                 }
                 // Rows on the wire are still pending: read past them.
-                match app.due_deliveries(on_wire.len() + READ_AHEAD) {
+                let limit = on_wire.len() + READ_AHEAD;
+                match app.due_deliveries(limit) {
                     Ok(due) => {
+                        more = due.len() == limit;
                         ahead = due.into_iter().filter(|d| !on_wire.contains(&d.id)).collect();
                         stale = false;
                     }
