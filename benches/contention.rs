@@ -128,21 +128,7 @@ impl ServerProc {
     fn cpu_ms(&self) -> f64 {
         let stat =
             std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
-        // Fields after the command name (which may hold spaces), from its ')'.
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .map_or("", |(_, rest)| rest)
-            .split_whitespace()
-            .collect();
-        let ticks = |i: usize| {
-            fields
-                .get(i)
-                .and_then(|f| f.parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
-        // utime and stime are fields 14 and 15 of stat(5), 11 and 12 here;
-        // clock ticks of 10 ms (USER_HZ = 100 on Linux).
-        (ticks(11) + ticks(12)) * 10.0
+        stat_cpu_ms(&stat).map_or(0.0, |(_, ms)| ms)
     }
 
     /// CPU time (user + system, ms) each group of the server's threads has
@@ -159,16 +145,8 @@ impl ServerProc {
             let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
                 continue;
             };
-            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            let Some((name, ms)) = stat_cpu_ms(&stat) else {
                 continue;
-            };
-            let name = &stat[open + 1..close];
-            let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-            let ticks = |i: usize| {
-                fields
-                    .get(i)
-                    .and_then(|f| f.parse::<f64>().ok())
-                    .unwrap_or(0.0)
             };
             let base = name.trim_end_matches(|c: char| c.is_ascii_digit());
             let group = if base.len() < name.len() {
@@ -176,8 +154,7 @@ impl ServerProc {
             } else {
                 name.to_string()
             };
-            // utime and stime, in ticks of 10 ms (see `cpu_ms`).
-            *groups.entry(group).or_insert(0.0) += (ticks(11) + ticks(12)) * 10.0;
+            *groups.entry(group).or_insert(0.0) += ms;
         }
         groups
     }
@@ -213,6 +190,23 @@ impl Drop for ServerProc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The command name and the CPU time (user + system, ms) of a process's or
+/// thread's `/proc/.../stat` line; `None` if it is not one.
+fn stat_cpu_ms(stat: &str) -> Option<(&str, f64)> {
+    // The name may hold spaces and parentheses: it runs to the last ')'.
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // utime and stime are fields 14 and 15 of stat(5), 11 and 12 here;
+    // clock ticks of 10 ms (USER_HZ = 100 on Linux).
+    Some((stat.get(open + 1..close)?, (ticks(11) + ticks(12)) * 10.0))
 }
 
 /// `IDEM_BENCH_UNIQUE_CONNS`: the connection counts of `unique` (default
@@ -913,7 +907,6 @@ struct Receiver {
     addr: SocketAddr,
     /// webhook-id → (arrival − created_at in µs, created_at in ms).
     seen: Arc<Mutex<BTreeMap<String, (u64, i64)>>>,
-    started_ms: i64,
 }
 
 fn wall_us() -> i64 {
@@ -955,11 +948,7 @@ impl Receiver {
                 std::thread::spawn(move || Receiver::serve(stream, &seen));
             }
         });
-        Receiver {
-            addr,
-            seen,
-            started_ms: wall_us() / 1000,
-        }
+        Receiver { addr, seen }
     }
 
     fn serve(stream: TcpStream, seen: &Mutex<BTreeMap<String, (u64, i64)>>) {
@@ -1013,25 +1002,25 @@ impl Receiver {
         self.seen.lock().unwrap().len() as u64
     }
 
-    /// Delays (µs) of the events created within `seconds` of the first
-    /// load (after the receiver started), i.e. while the load ran.
-    fn delays_us_during(&self, seconds: f64) -> Vec<u64> {
-        let first = self
-            .seen
-            .lock()
-            .unwrap()
-            .values()
-            .map(|(_, at)| *at)
-            .min()
-            .unwrap_or(self.started_ms);
-        let until = first + (seconds * 1000.0) as i64;
-        self.seen
-            .lock()
-            .unwrap()
-            .values()
-            .filter(|(_, at)| *at <= until)
-            .map(|(d, _)| *d)
-            .collect()
+    /// Waits (at most 120 s) until every event of a server with
+    /// `accounts` account pairs has arrived — an `account.created` per
+    /// account, a `charge.succeeded` per charge of `run` — and adds to `r`
+    /// the events, how many arrived, how long the backlog took to drain
+    /// after the load, and the commit→arrival percentiles of the events
+    /// created from `from_ms` to `to_ms` (the load's start and end).
+    fn report(&self, accounts: usize, run: &Run, from_ms: i64, to_ms: i64, r: &mut Value) {
+        let events = 2 * accounts as u64 + run.ok();
+        let drained = Instant::now();
+        while self.distinct() < events && drained.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let delays = self.delays_us_between(from_ms, to_ms);
+        r["events"] = json!(events);
+        r["delivered"] = json!(self.distinct());
+        r["drain_s_after_load"] = json!(drained.elapsed().as_secs_f64());
+        r["delivery_p50_ms"] = json!(pct(&delays, 0.50));
+        r["delivery_p99_ms"] = json!(pct(&delays, 0.99));
+        r["delivery_max_ms"] = json!(pct(&delays, 1.0));
     }
 
     /// Delays (µs) of the events created from `from_ms` to `to_ms` (ms
@@ -1084,24 +1073,9 @@ impl Subscribed {
         }
     }
 
-    /// Waits (at most 120 s) until every event the server wrote has
-    /// arrived — an `account.created` per account, a `charge.succeeded`
-    /// per charge — and adds to `r` the events, how many arrived, how long
-    /// the backlog took to drain after the load, and the commit→arrival
-    /// percentiles of the events created from `from_ms` to `to_ms`.
+    /// [`Receiver::report`] of this server's run.
     fn deliveries(&self, run: &Run, from_ms: i64, to_ms: i64, r: &mut Value) {
-        let events = 2 * self.accounts as u64 + run.ok();
-        let drained = Instant::now();
-        while self.receiver.distinct() < events && drained.elapsed() < Duration::from_secs(120) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let delays = self.receiver.delays_us_between(from_ms, to_ms);
-        r["events"] = json!(events);
-        r["delivered"] = json!(self.receiver.distinct());
-        r["drain_s_after_load"] = json!(drained.elapsed().as_secs_f64());
-        r["delivery_p50_ms"] = json!(pct(&delays, 0.50));
-        r["delivery_p99_ms"] = json!(pct(&delays, 0.99));
-        r["delivery_max_ms"] = json!(pct(&delays, 1.0));
+        self.receiver.report(self.accounts, run, from_ms, to_ms, r);
     }
 }
 
@@ -1442,6 +1416,7 @@ impl Bench {
                 let server = ServerProc::start(&[]);
                 let receiver = subscribed.then(|| subscribe(&server));
                 setup_accounts(server.addr, &server.key, CONNS);
+                let from_ms = wall_us() / 1000;
                 let run = drive(
                     server.addr,
                     &server.key,
@@ -1449,6 +1424,7 @@ impl Bench {
                     self.duration,
                     unique_keys(CONNS, false),
                 );
+                let to_ms = wall_us() / 1000;
                 assert_one_charge_per_201(&server, &run);
                 let label = if subscribed {
                     "one endpoint subscribed"
@@ -1457,23 +1433,7 @@ impl Bench {
                 };
                 let mut r = row(&format!("{label}, {CONNS} conns"), &run, CONNS);
                 if let Some(receiver) = receiver {
-                    // Every event of the run (the accounts' and the charges')
-                    // must arrive; wait for the backlog, then read delays.
-                    let events = 2 * CONNS as u64 + run.ok();
-                    let drained = Instant::now();
-                    while receiver.distinct() < events
-                        && drained.elapsed() < Duration::from_secs(120)
-                    {
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    r["events"] = json!(events);
-                    r["delivered"] = json!(receiver.distinct());
-                    r["drain_s_after_load"] = json!(drained.elapsed().as_secs_f64());
-                    let mut delays = receiver.delays_us_during(run.seconds);
-                    delays.sort_unstable();
-                    r["delivery_p50_ms"] = json!(pct(&delays, 0.50));
-                    r["delivery_p99_ms"] = json!(pct(&delays, 0.99));
-                    r["delivery_max_ms"] = json!(pct(&delays, 1.0));
+                    receiver.report(CONNS, &run, from_ms, to_ms, &mut r);
                     arrivals.push(r.clone());
                 }
                 rounds[i].push(r);
