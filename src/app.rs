@@ -730,11 +730,7 @@ impl App {
     /// the decided answer (`declined`), and the void resumes from there.
     fn run_charge(&self, row: &KeyRow, req: ChargeRequest) -> Result<Reply, Reply> {
         let owner = row.owner();
-        let fp: Fingerprint = row
-            .fingerprint
-            .as_slice()
-            .try_into()
-            .expect("fingerprints are 32 bytes");
+        let fp = row.fingerprint();
         let authorization = match row.recovery_point {
             RecoveryPoint::Reserved => {
                 self.authorize(&owner, row.locked_at_ms, row.prechecked, &req, &fp)?
@@ -1659,11 +1655,7 @@ fn prepare(
         // other goes on with nothing checked twice. Async keeps its 202 and
         // checks when it runs.
         Operation::Charge(req) if mode == Mode::Sync && fresh && owner.generation == 1 => {
-            let fp: Fingerprint = row
-                .fingerprint
-                .as_slice()
-                .try_into()
-                .expect("fingerprints are 32 bytes");
+            let fp = row.fingerprint();
             match ledger::precheck_charge(tx, owner.consumer_id, req, &fp)? {
                 Some(outcome) => {
                     let (stored, existing) = charge_response(outcome);

@@ -381,6 +381,14 @@ impl KeyRow {
         }
     }
 
+    /// The request's fingerprint (stored as a 32-byte blob).
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+            .as_slice()
+            .try_into()
+            .expect("fingerprints are 32 bytes")
+    }
+
     pub fn owner(&self) -> Owner {
         Owner {
             key_id: self.id,

@@ -301,9 +301,6 @@ impl Simulator {
     ) -> Result<Simulator> {
         conn.busy_timeout(BUSY_TIMEOUT)?;
         conn.pragma_update(None, "cache_size", -SIMULATOR_CACHE_MAX_KIB)?;
-        // Every statement of every call stays prepared (the default LRU of
-        // 16 is smaller than the calls' statements together).
-        conn.set_prepared_statement_cache_capacity(64);
         migrate(&mut conn)?;
         Ok(Simulator {
             latency,
