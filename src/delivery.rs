@@ -5,8 +5,8 @@
 //! One dispatcher thread (`idem-webhooks`) finds due deliveries on a reader
 //! every [`WEBHOOK_POLL_INTERVAL`] (at once when an attempt ends and frees a
 //! thread, or when the writer commits: a delivery queued by a change goes
-//! out right after the change's commit) and hands them to [`WEBHOOK_THREADS`] sender threads
-//! (`idem-webhook-N`). The dispatcher alone keeps the in-process lease, the
+//! out right after the change's commit) and hands them to
+//! [`WEBHOOK_THREADS`] sender threads (`idem-webhook-N`). The dispatcher alone keeps the in-process lease, the
 //! set of deliveries on the wire: a delivery is handed out again only once
 //! its attempt is recorded, so one delivery is never sent twice at once; at
 //! most [`ENDPOINT_CONCURRENCY_MAX`] attempts to one endpoint run at once,
@@ -161,6 +161,61 @@ fn agent(timeout: Duration) -> ureq::Agent {
         .into()
 }
 
+/// The dispatcher's lease: the deliveries handed out and not yet recorded
+/// (`on_wire`), the attempts on the wire (each holds a sender thread), and
+/// each endpoint's share of them.
+#[derive(Default)]
+struct Lease {
+    on_wire: HashSet<i64>,
+    sending: usize,
+    per_endpoint: HashMap<i64, usize>,
+}
+
+impl Lease {
+    /// Senders without an attempt.
+    fn free(&self) -> usize {
+        WEBHOOK_THREADS - self.sending
+    }
+
+    /// Hands out, oldest first, what of `ahead` a free sender and its
+    /// endpoint's share allow, and keeps the rest; `Err` once the senders
+    /// are gone.
+    fn hand_out(&mut self, ahead: &mut VecDeque<Due>, jobs: &Sender<Job>) -> Result<(), ()> {
+        let mut kept = VecDeque::with_capacity(ahead.len());
+        while let Some(d) = ahead.pop_front() {
+            let busy = self.per_endpoint.get(&d.endpoint_id).copied().unwrap_or(0);
+            if self.free() == 0 || busy >= ENDPOINT_CONCURRENCY_MAX {
+                kept.push_back(d);
+                continue;
+            }
+            self.on_wire.insert(d.id);
+            *self.per_endpoint.entry(d.endpoint_id).or_default() += 1;
+            self.sending += 1;
+            jobs.send(Job(d)).map_err(|_| ())?;
+        }
+        *ahead = kept;
+        Ok(())
+    }
+
+    /// A sender is free again, or an attempt is recorded.
+    fn release(&mut self, done: Done) {
+        match done {
+            Done::Sent { endpoint_id } => {
+                self.sending -= 1;
+                if let Some(n) = self.per_endpoint.get_mut(&endpoint_id) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.per_endpoint.remove(&endpoint_id);
+                    }
+                }
+            }
+            Done::Recorded { id } => {
+                self.on_wire.remove(&id);
+            }
+        }
+    }
+}
+
 /// Due deliveries the dispatcher reads ahead in one query, at most.
 const READ_AHEAD: usize = 64;
 
@@ -173,14 +228,11 @@ const READ_AHEAD: usize = 64;
 /// at its share) and more may be due: a commit since, the poll interval
 /// (retries coming due), or a last read that filled its limit (a backlog,
 /// which then drains at the senders' pace). Reading again after every
-/// attempt cost a sixth of the server's CPU under load. An endpoint's deletion drops
-/// what was read ahead, so a deleted endpoint gets no new attempt.
+/// attempt cost a sixth of the server's CPU under load. An endpoint's
+/// deletion drops what was read ahead, so a deleted endpoint gets no new
+/// attempt.
 fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &AtomicBool) {
-    // The lease: deliveries handed out and not yet recorded.
-    let mut on_wire: HashSet<i64> = HashSet::new();
-    // Attempts on the wire (each holds a sender thread).
-    let mut sending = 0usize;
-    let mut per_endpoint: HashMap<i64, usize> = HashMap::new();
+    let mut lease = Lease::default();
     let mut backlog_at = Instant::now() - BACKLOG_REFRESH;
     let mut commits = app.commits();
     // Read ahead, not yet handed out, oldest first.
@@ -209,74 +261,39 @@ fn dispatch(app: &App, jobs: Sender<Job>, done: &Receiver<Done>, stopping: &Atom
             ahead.clear();
             stale = true;
         }
-        let mut free = WEBHOOK_THREADS - sending;
-        // Two passes at most: what was read ahead, then a fresh read if
-        // that left senders free.
-        for pass in 0..2 {
-            if free == 0 {
-                break;
-            }
-            if pass == 1 {
-                // A backlog drains at the senders' pace, not a read per
-                // poll interval.
-                let backlog = more && ahead.is_empty();
-                if !(stale || backlog) {
-                    break;
-                }
-                // Rows on the wire are still pending: read past them.
-                let limit = on_wire.len() + READ_AHEAD;
-                match app.due_deliveries(limit) {
-                    Ok(due) => {
-                        more = due.len() == limit;
-                        ahead = due.into_iter().filter(|d| !on_wire.contains(&d.id)).collect();
-                        stale = false;
-                    }
-                    Err(e) => {
-                        log::warn!("webhooks: cannot read due deliveries: {e}");
-                        break;
-                    }
-                }
-            }
-            let mut kept = VecDeque::with_capacity(ahead.len());
-            while let Some(d) = ahead.pop_front() {
-                let busy = per_endpoint.get(&d.endpoint_id).copied().unwrap_or(0);
-                if free == 0 || busy >= ENDPOINT_CONCURRENCY_MAX {
-                    kept.push_back(d);
-                    continue;
-                }
-                on_wire.insert(d.id);
-                *per_endpoint.entry(d.endpoint_id).or_default() += 1;
-                sending += 1;
-                free -= 1;
-                if jobs.send(Job(d)).is_err() {
-                    return;
-                }
-            }
-            ahead = kept;
+        if lease.hand_out(&mut ahead, &jobs).is_err() {
+            return;
         }
-        let mut release = |d: Done| match d {
-            Done::Sent { endpoint_id } => {
-                sending -= 1;
-                if let Some(n) = per_endpoint.get_mut(&endpoint_id) {
-                    *n -= 1;
-                    if *n == 0 {
-                        per_endpoint.remove(&endpoint_id);
+        // Read again if senders are free and more may be due; a backlog
+        // drains at the senders' pace, not a read per poll interval.
+        let backlog = more && ahead.is_empty();
+        if lease.free() > 0 && (stale || backlog) {
+            // Rows on the wire are still pending: read past them.
+            let limit = lease.on_wire.len() + READ_AHEAD;
+            match app.due_deliveries(limit) {
+                Ok(due) => {
+                    more = due.len() == limit;
+                    ahead = due
+                        .into_iter()
+                        .filter(|d| !lease.on_wire.contains(&d.id))
+                        .collect();
+                    stale = false;
+                    if lease.hand_out(&mut ahead, &jobs).is_err() {
+                        return;
                     }
                 }
+                Err(e) => log::warn!("webhooks: cannot read due deliveries: {e}"),
             }
-            Done::Recorded { id } => {
-                on_wire.remove(&id);
-            }
-        };
+        }
         // Woken by an attempt's end, by a commit (which may have queued
         // deliveries: they go out now, not at the next poll), or by the
         // poll interval (retries coming due).
         crossbeam_channel::select! {
             recv(done) -> d => match d {
                 Ok(d) => {
-                    release(d);
+                    lease.release(d);
                     while let Ok(d) = done.try_recv() {
-                        release(d);
+                        lease.release(d);
                     }
                 }
                 Err(_) => return,
