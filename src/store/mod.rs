@@ -5,6 +5,8 @@
 
 mod migrations;
 mod readers;
+mod sql;
+mod sqlite;
 mod writer;
 
 use std::fs::{File, OpenOptions};
@@ -17,6 +19,8 @@ use crate::error::{Error, Result};
 
 pub use migrations::{migrate, SCHEMA_VERSION};
 pub use readers::Readers;
+pub(crate) use sql::params;
+pub use sql::{numbered_to_dollar, Arg, Db, Dialect, FromValue, Row, Value};
 pub use writer::Writer;
 
 #[cfg(test)]
