@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use rusqlite::Connection;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -43,15 +42,15 @@ use crate::model::{
 };
 use crate::pool::{Pool, Task};
 use crate::sandbox::{AcquirerFault, CrashPoint, Directive, Directives, Registered, Sandbox};
-use crate::store::{Readers, Writer};
+use crate::store::{Db, Store};
 use crate::time::now_ms;
 use crate::webhooks::{self, CreateOutcome, DeletedObject, Recorded};
 
 pub struct App {
     pub config: Config,
     pub metrics: Arc<Metrics>,
-    writer: Writer,
-    readers: Readers,
+    /// The database: SQLite's writer thread and readers, or PostgreSQL.
+    store: Store,
     acquirer: Arc<dyn Acquirer>,
     /// Key hash → consumer id. Consumers are never deleted, so a positive
     /// answer stays true; unknown keys are looked up every time.
@@ -129,8 +128,7 @@ struct OperationResponse {
 impl App {
     pub fn start(
         config: Config,
-        writer: Writer,
-        readers: Readers,
+        store: Store,
         acquirer: Arc<dyn Acquirer>,
         metrics: Arc<Metrics>,
     ) -> Arc<App> {
@@ -138,8 +136,7 @@ impl App {
             sandbox: Arc::new(Sandbox::new(config.sandbox)),
             config,
             metrics,
-            writer,
-            readers,
+            store,
             acquirer,
             consumers: RwLock::new(HashMap::new()),
             reservations: Pool::start("reserve", RESERVATION_THREADS, RESERVATION_QUEUE_LEN_MAX),
@@ -155,7 +152,7 @@ impl App {
     pub fn stop(&self) {
         self.reservations.stop();
         self.operations.stop();
-        self.writer.stop();
+        self.store.stop();
     }
 
     /// How many webhook endpoints this process has deleted: the delivery
@@ -166,7 +163,7 @@ impl App {
 
     /// Receives a message after commits (see [`Writer::commits`]).
     pub fn commits(&self) -> crossbeam_channel::Receiver<()> {
-        self.writer.commits()
+        self.store.commits()
     }
 
     /// The sandbox: whether it is on, and its scripted faults.
@@ -209,7 +206,7 @@ impl App {
             return Ok(*id);
         }
         let found = self
-            .readers
+            .store
             .read(|c| consumers::authenticate(c, &hash))
             .map_err(Problem::from)?;
         let id = found.ok_or(Problem::Unauthorized)?;
@@ -221,7 +218,7 @@ impl App {
     /// write transaction, and returns its key; `None` if one existed.
     pub fn create_first_consumer(&self, name: &str) -> Result<Option<String>> {
         let name = name.to_string();
-        self.writer.call(move |tx| {
+        self.store.write(move |tx| {
             if consumers::count(tx)? > 0 {
                 return Ok(None);
             }
@@ -231,8 +228,8 @@ impl App {
 
     pub fn create_consumer(&self, name: &str) -> Result<String> {
         let name = name.to_string();
-        self.writer
-            .call(move |tx| consumers::create(tx, &name))
+        self.store
+            .write(move |tx| consumers::create(tx, &name))
             .map(|(_, key)| key)
     }
 
@@ -260,7 +257,7 @@ impl App {
             // No key: the natural id (if any) is the only protection, and
             // the work is one transaction, so there is nothing to track.
             None => self.later(move |app, deliver| {
-                let created = app.writer.call(move |tx| {
+                let created = app.store.write(move |tx| {
                     ledger::create_account(tx, consumer, &req, now_ms()).map(account_response)
                 });
                 deliver(match created {
@@ -389,7 +386,7 @@ impl App {
                 Directives::default(),
             ),
             None => self.later(move |app, deliver| {
-                let created = app.writer.call(move |tx| {
+                let created = app.store.write(move |tx| {
                     webhooks::create(tx, consumer, &req, now_ms()).map(endpoint_response)
                 });
                 deliver(match created {
@@ -408,8 +405,8 @@ impl App {
         self.later(move |app, deliver| {
             let public_id = id.clone();
             let deleted = app
-                .writer
-                .call(move |tx| webhooks::delete(tx, consumer, &public_id, now_ms()));
+                .store
+                .write(move |tx| webhooks::delete(tx, consumer, &public_id, now_ms()));
             if matches!(deleted, Ok(Some(_))) {
                 app.endpoint_deletions.fetch_add(1, AtomicOrdering::SeqCst);
             }
@@ -461,7 +458,7 @@ impl App {
         let t = self.timeouts();
         // Duplicates are answered from a reader, never queued behind writes.
         let seen = self
-            .readers
+            .store
             .read(|c| idempotency::load(c, &attempt.scope, &attempt.key));
         let settled = seen
             .ok()
@@ -601,7 +598,7 @@ impl App {
     fn reserve(&self, attempt: Attempt, op: Operation) -> Result<Reserved> {
         let t = self.timeouts();
         let mode = attempt.mode;
-        self.writer.call(move |tx| {
+        self.store.write(move |tx| {
             let now = now_ms();
             match idempotency::reserve(tx, &attempt, now, t)? {
                 Reservation::Owned { row, took_over } => {
@@ -671,7 +668,7 @@ impl App {
         let owner = row.owner();
         catch_unwind(AssertUnwindSafe(|| self.run_operation(row))).unwrap_or_else(|_| {
             log::error!("operation {} panicked; key unlocked", owner.op_id);
-            let _ = self.writer.call(move |tx| idempotency::unlock(tx, &owner));
+            let _ = self.store.write(move |tx| idempotency::unlock(tx, &owner));
             Problem::Internal.reply()
         })
     }
@@ -870,7 +867,7 @@ impl App {
             locked_at_ms = now_ms();
         }
         let op_id = owner.op_id.clone();
-        let applied = self.readers.read(|c| ledger::applied_refund(c, &op_id));
+        let applied = self.store.read(|c| ledger::applied_refund(c, &op_id));
         let (authorization, amount) = match applied {
             Ok(Some(found)) => found,
             Ok(None) => return Err(self.give_up(owner, Error::Other("refund row missing".into()))),
@@ -888,7 +885,7 @@ impl App {
     fn claimed(&self, owner: &Owner, charge: &str, claim: Claim) -> Result<(String, i64), Reply> {
         let consumer = owner.consumer_id;
         match self
-            .readers
+            .store
             .read(|c| ledger::claimed_charge(c, consumer, charge, claim))
         {
             Ok(Some(found)) => Ok(found),
@@ -953,8 +950,8 @@ impl App {
     fn record(&self, owner: &Owner, point: RecoveryPoint, kind: &str) -> Result<(), Reply> {
         let o = owner.clone();
         match self
-            .writer
-            .call(move |tx| idempotency::record_point(tx, &o, point, now_ms()))
+            .store
+            .write(move |tx| idempotency::record_point(tx, &o, point, now_ms()))
         {
             Ok(true) => {}
             Ok(false) => return Err(self.lost(owner)),
@@ -969,8 +966,8 @@ impl App {
     fn finish(&self, owner: &Owner, kind: &str) -> Result<Reply, Reply> {
         let o = owner.clone();
         match self
-            .writer
-            .call(move |tx| idempotency::finish(tx, &o, now_ms()))
+            .store
+            .write(move |tx| idempotency::finish(tx, &o, now_ms()))
         {
             Ok(Some(stored)) => {
                 self.fault(FaultPoint::AfterCommit, kind);
@@ -1009,7 +1006,7 @@ impl App {
         // (`prepare`).
         let first_owner = owner.generation == 1;
         let precheck = if first_owner && !prechecked {
-            self.readers
+            self.store
                 .read(|c| ledger::precheck_charge(c, consumer, req, fp))
         } else {
             Ok(None)
@@ -1082,10 +1079,10 @@ impl App {
     /// it was taken over meanwhile.
     fn commit<F>(&self, owner: &Owner, kind: &str, effect: F) -> Result<Committed, Reply>
     where
-        F: FnOnce(&Connection, &Owner, i64) -> Result<Step> + Send + 'static,
+        F: FnOnce(&dyn Db, &Owner, i64) -> Result<Step> + Send + 'static,
     {
         let o = owner.clone();
-        let committed = self.writer.call(move |tx| {
+        let committed = self.store.write(move |tx| {
             if !idempotency::holds(tx, &o)? {
                 return Ok(None);
             }
@@ -1122,7 +1119,7 @@ impl App {
     /// [`App::commit`] of an effect that completes the key.
     fn ledger_phase<F>(&self, owner: &Owner, kind: &str, effect: F) -> Result<Reply, Reply>
     where
-        F: FnOnce(&Connection, &Owner, i64) -> Result<Step> + Send + 'static,
+        F: FnOnce(&dyn Db, &Owner, i64) -> Result<Step> + Send + 'static,
     {
         match self.commit(owner, kind, effect)? {
             Committed::Completed(stored, existing) => Ok(Reply::stored(stored, existing)),
@@ -1133,7 +1130,7 @@ impl App {
     /// An owner that was fenced off answers like any later duplicate.
     fn lost(&self, owner: &Owner) -> Reply {
         let id = owner.key_id;
-        match self.readers.read(|c| idempotency::load_by_id(c, id)) {
+        match self.store.read(|c| idempotency::load_by_id(c, id)) {
             Ok(Some(row)) if row.state == KeyState::Completed && row.op_id == owner.op_id => {
                 self.metrics.idempotent_replays.inc();
                 Reply::stored(row.response.expect("completed rows have a response"), true)
@@ -1148,7 +1145,7 @@ impl App {
     fn give_up(&self, owner: &Owner, e: Error) -> Reply {
         log::warn!("operation {} failed: {e}", owner.op_id);
         let o = owner.clone();
-        if let Err(unlock) = self.writer.call(move |tx| idempotency::unlock(tx, &o)) {
+        if let Err(unlock) = self.store.write(move |tx| idempotency::unlock(tx, &o)) {
             log::warn!("cannot unlock {}: {unlock}", owner.op_id);
         }
         Problem::from(e).reply()
@@ -1180,7 +1177,7 @@ impl App {
                 Directives::default(),
             ),
             None => self.later(move |app, deliver| {
-                let created = app.writer.call(move |tx| {
+                let created = app.store.write(move |tx| {
                     inbound::create_source(tx, consumer, &req, now_ms())
                         .map(|s| json_response(201, &s))
                 });
@@ -1220,7 +1217,7 @@ impl App {
     /// first on a reader (a replay or a 422 needs no write), then again in
     /// the one writer command that stores the notification and applies it.
     pub fn receive_notification(&self, source: &str, signed: &Signed<'_>) -> Answer {
-        let found = match self.readers.read(|c| inbound::source_key(c, source)) {
+        let found = match self.store.read(|c| inbound::source_key(c, source)) {
             Ok(found) => found,
             Err(e) => return Problem::from(e).reply().into(),
         };
@@ -1268,7 +1265,7 @@ impl App {
             body: signed.body.to_vec(),
             request,
         };
-        let seen = self.readers.read(|c| {
+        let seen = self.store.read(|c| {
             inbound::settle(
                 c,
                 delivery.source.id,
@@ -1286,7 +1283,7 @@ impl App {
                 .as_deref()
                 .is_none_or(|k| k == "notification");
         self.later(move |app, deliver| {
-            let received = app.writer.call(move |tx| {
+            let received = app.store.write(move |tx| {
                 inbound::receive(tx, &delivery, now_ms(), || {
                     if abort {
                         eprintln!("idem: fault point InNotification reached, aborting");
@@ -1321,10 +1318,10 @@ impl App {
 
     fn read<T>(
         &self,
-        f: impl FnOnce(&Connection) -> Result<Option<T>>,
+        f: impl FnOnce(&dyn Db) -> Result<Option<T>>,
         render: impl FnOnce(T) -> Reply,
     ) -> Reply {
-        match self.readers.read(f) {
+        match self.store.read(f) {
             Ok(Some(v)) => render(v),
             Ok(None) => Problem::NotFound.reply(),
             Err(e) => Problem::from(e).reply(),
@@ -1406,7 +1403,7 @@ impl App {
 
     /// Up to `limit` deliveries due now, read on a reader.
     pub fn due_deliveries(&self, limit: usize) -> Result<Vec<webhooks::Due>> {
-        self.readers.read(|c| webhooks::due(c, now_ms(), limit))
+        self.store.read(|c| webhooks::due(c, now_ms(), limit))
     }
 
     /// Records the outcomes of attempts, all in one writer command.
@@ -1414,7 +1411,7 @@ impl App {
         &self,
         attempts: Vec<webhooks::AttemptRecord>,
     ) -> Result<Vec<Recorded>> {
-        self.writer.call(move |tx| {
+        self.store.write(move |tx| {
             let now = now_ms();
             attempts
                 .iter()
@@ -1425,7 +1422,7 @@ impl App {
 
     /// Pending deliveries, due or not.
     pub fn webhook_backlog(&self) -> Result<u64> {
-        self.readers.read(webhooks::backlog)
+        self.store.read(webhooks::backlog)
     }
 
     // -----------------------------------------------------------------------
@@ -1434,7 +1431,7 @@ impl App {
     /// In-progress keys silent for longer than the in-flight timeout.
     pub fn orphans(&self, limit: usize) -> Result<Vec<i64>> {
         let cutoff = now_ms().saturating_sub(crate::time::millis(self.config.inflight_timeout));
-        self.readers
+        self.store
             .read(|c| idempotency::orphans(c, cutoff, limit))
     }
 
@@ -1443,8 +1440,8 @@ impl App {
     pub fn complete_orphan(&self, id: i64) -> Result<bool> {
         let inflight = self.config.inflight_timeout;
         let row = self
-            .writer
-            .call(move |tx| idempotency::take_over_orphan(tx, id, now_ms(), inflight))?;
+            .store
+            .write(move |tx| idempotency::take_over_orphan(tx, id, now_ms(), inflight))?;
         let Some(row) = row else {
             return Ok(false);
         };
@@ -1472,7 +1469,7 @@ impl App {
     pub fn expire_holds(&self, limit: usize) -> Result<usize> {
         let now = now_ms();
         let holds = self
-            .readers
+            .store
             .read(|c| ledger::expired_holds(c, now, limit))?;
         let mut released = 0;
         for hold in holds {
@@ -1492,8 +1489,8 @@ impl App {
     fn expire_hold(&self, hold: &ledger::ExpiredHold) -> Result<bool> {
         let h = hold.clone();
         if !self
-            .writer
-            .call(move |tx| ledger::claim_expired(tx, &h, now_ms()))?
+            .store
+            .write(move |tx| ledger::claim_expired(tx, &h, now_ms()))?
         {
             return Ok(false);
         }
@@ -1504,7 +1501,7 @@ impl App {
             .map_err(|e| Error::Acquirer(e.0))?;
         self.fault(FaultPoint::AfterAcquirer, "expiry");
         let h = hold.clone();
-        self.writer.call(move |tx| {
+        self.store.write(move |tx| {
             ledger::apply_cancel(
                 tx,
                 h.consumer_id,
@@ -1522,8 +1519,8 @@ impl App {
     pub fn delete_expired(&self, batch: usize) -> Result<usize> {
         let cutoff = now_ms().saturating_sub(crate::time::millis(self.config.key_retention));
         let n = self
-            .writer
-            .call(move |tx| idempotency::delete_expired(tx, cutoff, batch))?;
+            .store
+            .write(move |tx| idempotency::delete_expired(tx, cutoff, batch))?;
         self.metrics.keys_reaped.add(n as u64);
         Ok(n)
     }
@@ -1532,8 +1529,8 @@ impl App {
     /// deliveries.
     pub fn delete_expired_events(&self, batch: usize) -> Result<usize> {
         let cutoff = now_ms().saturating_sub(crate::time::millis(self.config.event_retention));
-        self.writer
-            .call(move |tx| events::delete_expired(tx, cutoff, batch))
+        self.store
+            .write(move |tx| events::delete_expired(tx, cutoff, batch))
     }
 }
 
@@ -1607,7 +1604,7 @@ fn list_reply<T: Serialize>(list: std::result::Result<ListObject<T>, UnknownCurs
 /// that of two racing, the second is refused before any acquirer call. An
 /// orphan taken over resumes from its recovery point instead.
 fn prepare(
-    tx: &Connection,
+    tx: &dyn Db,
     mut row: KeyRow,
     op: &Operation,
     mode: Mode,
@@ -1679,7 +1676,7 @@ fn prepare(
 
 /// Claims a held charge for a capture or cancel; an answer if it cannot be.
 fn claim(
-    tx: &Connection,
+    tx: &dyn Db,
     owner: &Owner,
     charge: &str,
     claim: Claim,
@@ -1699,7 +1696,7 @@ fn claim(
 
 /// A refund's ledger effect: applied, its answer decided and its acquirer
 /// call due (`Applied`); or refused, final.
-fn refund_step(tx: &Connection, owner: &Owner, req: &RefundRequest, now: i64) -> Result<Step> {
+fn refund_step(tx: &dyn Db, owner: &Owner, req: &RefundRequest, now: i64) -> Result<Step> {
     let origin = Origin {
         op_id: &owner.op_id,
         key: &owner.key,

@@ -111,6 +111,13 @@ pub const WEBHOOK_URL_LEN_MAX: usize = 2048;
 /// (with 4, then 8, the backlog grew through the run and the
 /// commit-to-arrival p99 reached 440–850 ms; with 16, 90–150 ms).
 pub const WEBHOOK_THREADS: usize = 32;
+
+/// Connections one server keeps to a PostgreSQL database, at most. Every
+/// transaction is short (no connection is held across an acquirer call or a
+/// webhook), so threads take turns on a few connections; three servers use
+/// 96 of PostgreSQL's default `max_connections` of 100. A thread that waits
+/// longer than 10 s for one gets a 503.
+pub const PG_POOL_MAX: usize = 30;
 /// How often the delivery engine looks for due deliveries when nothing
 /// woke it (a commit that queued deliveries wakes it at once).
 pub const WEBHOOK_POLL_INTERVAL: Duration = Duration::from_millis(50);
@@ -428,10 +435,19 @@ impl HttpLimits {
 /// Everything `idem serve` (or an embedded server) needs.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// The SQLite database file, created (with the schema) if missing and
-    /// migrated if older; `<db>.lock`, `<db>.acquirer.sqlite` and SQLite's
-    /// `-wal`/`-shm` files live beside it.
+    /// The database. A path is an SQLite file, created (with the schema)
+    /// if missing and migrated if older; `<db>.lock`, `<db>.acquirer.sqlite`
+    /// and SQLite's `-wal`/`-shm` files live beside it. A
+    /// `postgres://user[:password]@host[:port]/database` URL is a PostgreSQL
+    /// 15+ database (it must exist; an empty one gets the schema), which any
+    /// number of servers may share.
     pub db: PathBuf,
+    /// Where the built-in acquirer simulator keeps its memory. `None`:
+    /// `<db>.acquirer.sqlite` beside an SQLite database. Required when `db`
+    /// is PostgreSQL: every server sharing the database must name the same
+    /// file, since they stand in front of one acquirer (a takeover on one
+    /// server asks the acquirer again under the key another server used).
+    pub acquirer_store: Option<PathBuf>,
     /// Where to listen. [`Config::new`] says `127.0.0.1:0`: a free port
     /// chosen by the system ([`crate::Server::url`] tells which), so servers
     /// of tests running in parallel never collide.
@@ -513,6 +529,7 @@ impl Config {
     pub fn new(db: impl Into<PathBuf>) -> Config {
         Config {
             db: db.into(),
+            acquirer_store: None,
             addr: "127.0.0.1:0".parse().expect("valid literal address"),
             workers: default_workers(),
             key_retention: KEY_RETENTION_DEFAULT,

@@ -9,6 +9,8 @@ use std::fmt;
 pub enum Error {
     /// SQLite answered with an error.
     Db(rusqlite::Error),
+    /// PostgreSQL answered with an error, or the connection to it failed.
+    Postgres(postgres::Error),
     /// The reader pool could not hand out a connection.
     Pool(String),
     /// A file or socket operation failed.
@@ -47,6 +49,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Db(_)
+            | Error::Postgres(_)
             | Error::Pool(_)
             | Error::Io(_)
             | Error::Unavailable(_)
@@ -65,6 +68,7 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Db(e) => write!(f, "database error: {e}"),
+            Error::Postgres(e) => write!(f, "PostgreSQL error: {e}"),
             Error::Pool(e) => write!(f, "database pool error: {e}"),
             Error::Io(e) => write!(f, "i/o error: {e}"),
             Error::Unavailable(why) => write!(f, "temporarily unavailable: {why}"),
@@ -86,6 +90,7 @@ impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Error::Db(e) => Some(e),
+            Error::Postgres(e) => Some(e),
             Error::Io(e) => Some(e),
             _ => None,
         }
@@ -95,6 +100,12 @@ impl std::error::Error for Error {
 impl From<rusqlite::Error> for Error {
     fn from(e: rusqlite::Error) -> Error {
         Error::Db(e)
+    }
+}
+
+impl From<postgres::Error> for Error {
+    fn from(e: postgres::Error) -> Error {
+        Error::Postgres(e)
     }
 }
 

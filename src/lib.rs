@@ -114,7 +114,7 @@ use delivery::Delivery;
 use http::server::{Handler, HttpServer};
 use metrics::Metrics;
 use reaper::Reaper;
-use store::{ProcessLock, Readers, Writer};
+use store::{PgStore, ProcessLock, Readers, Store, Writer};
 
 pub use config::{Config, FaultPoint, Hooks, HttpLimits, Synchronous};
 pub use error::{Error, Result};
@@ -129,7 +129,7 @@ pub struct Server {
     delivery: Option<Delivery>,
     url: String,
     initial_key: Option<String>,
-    _lock: ProcessLock,
+    _lock: Option<ProcessLock>,
     /// Declared last: the temporary directory outlives everything above.
     _temp: Option<TempDir>,
 }
@@ -143,12 +143,36 @@ impl Server {
         // Before the lock and the simulator create files beside the
         // database: a wrong --db is reported with its path, not as a bare
         // I/O error.
+        if store::is_postgres(&config.db) {
+            let Some(path) = &config.acquirer_store else {
+                return Err(Error::Usage(
+                    "--db is a PostgreSQL URL: name the acquirer simulator's file with \
+                     --acquirer-store PATH, the same for every server sharing the database"
+                        .into(),
+                ));
+            };
+            let acquirer = Simulator::open_file(
+                path,
+                config.acquirer_latency,
+                config.key_retention,
+                Arc::new(time::now_ms),
+            )?;
+            return Server::start_locked(config, None, Arc::new(acquirer));
+        }
         store::preflight(&config.db)?;
         // The lock first: the simulator's file (and the import of a v1
         // journal) belongs to the one server of this database.
         let lock = ProcessLock::acquire(&config.db)?;
-        let acquirer = Simulator::open(&config.db, config.acquirer_latency, config.key_retention)?;
-        Server::start_locked(config, lock, Arc::new(acquirer))
+        let acquirer = match &config.acquirer_store {
+            Some(path) => Simulator::open_file(
+                path,
+                config.acquirer_latency,
+                config.key_retention,
+                Arc::new(time::now_ms),
+            )?,
+            None => Simulator::open(&config.db, config.acquirer_latency, config.key_retention)?,
+        };
+        Server::start_locked(config, Some(lock), Arc::new(acquirer))
     }
 
     /// Starts a server on `127.0.0.1:0` (a free port) on a fresh database in
@@ -247,15 +271,19 @@ impl Server {
     /// inject a slow or failing third party).
     pub fn start_with_acquirer(config: Config, acquirer: Arc<dyn Acquirer>) -> Result<Server> {
         check_config(&config)?;
+        if store::is_postgres(&config.db) {
+            return Server::start_locked(config, None, acquirer);
+        }
         store::preflight(&config.db)?;
         let lock = ProcessLock::acquire(&config.db)?;
-        Server::start_locked(config, lock, acquirer)
+        Server::start_locked(config, Some(lock), acquirer)
     }
 
-    /// Starts a server on a validated `config` whose database `lock` holds.
+    /// Starts a server on a validated `config` whose database `lock` holds
+    /// (SQLite; none on PostgreSQL, which servers share).
     fn start_locked(
         config: Config,
-        lock: ProcessLock,
+        lock: Option<ProcessLock>,
         acquirer: Arc<dyn Acquirer>,
     ) -> Result<Server> {
         if config.sandbox {
@@ -264,14 +292,9 @@ impl Server {
                  declines); never serve real clients like this"
             );
         }
-        let conn = store::open_rw(&config.db, config.synchronous, config.fault)?;
-        if config.verify_on_start {
-            check_on_start(&config.db, &conn)?;
-        }
         let metrics = Arc::new(Metrics::default());
-        let readers = Readers::open(&config.db, config.workers + OPERATION_THREADS + 2)?;
-        let writer = Writer::start(conn, config.commit_batch_max, Arc::clone(&metrics));
-        let app = App::start(config.clone(), writer, readers, acquirer, metrics);
+        let store = open_store(&config, &metrics)?;
+        let app = App::start(config.clone(), store, acquirer, metrics);
         let handler_app = Arc::clone(&app);
         let handler: Handler = Arc::new(move |req| {
             let started = Instant::now();
@@ -454,7 +477,29 @@ impl Drop for Server {
 /// Refuses to serve a database that fails `idem verify`'s checks: serving
 /// it would answer replays and balances from a ledger already wrong, and
 /// every new charge would be written on top of the damage.
-fn check_on_start(db: &Path, conn: &rusqlite::Connection) -> Result<()> {
+/// Opens the database of `config` for serving: SQLite's writer thread and
+/// readers, or a PostgreSQL pool sized for every thread that may hold a
+/// connection at once; the schema brought up to date, and the startup check.
+fn open_store(config: &Config, metrics: &Arc<Metrics>) -> Result<Store> {
+    let readers_max = config.workers + OPERATION_THREADS + 2;
+    if let Some(url) = store::postgres_url(&config.db) {
+        let pg = PgStore::open(url, config::PG_POOL_MAX)?;
+        pg.migrate()?;
+        if config.verify_on_start {
+            pg.read(|db| check_on_start(&config.db, db))?;
+        }
+        return Ok(Store::postgres(pg));
+    }
+    let conn = store::open_rw(&config.db, config.synchronous, config.fault)?;
+    if config.verify_on_start {
+        check_on_start(&config.db, &conn)?;
+    }
+    let readers = Readers::open(&config.db, readers_max)?;
+    let writer = Writer::start(conn, config.commit_batch_max, Arc::clone(metrics));
+    Ok(Store::Sqlite { writer, readers })
+}
+
+fn check_on_start(db: &Path, conn: &dyn store::Db) -> Result<()> {
     let report = verify::verify(conn)?;
     if report.ok() {
         return Ok(());

@@ -271,8 +271,22 @@ impl Simulator {
         retention: Duration,
         clock: Clock,
     ) -> Result<Simulator> {
-        let path = Simulator::store_path(db);
-        let conn = Connection::open(&path).map_err(|e| {
+        let simulator =
+            Simulator::open_file(&Simulator::store_path(db), latency, retention, clock)?;
+        simulator.import_v1(&Simulator::v1_journal_path(db))?;
+        Ok(simulator)
+    }
+
+    /// The simulator whose memory is the file `path` (created if needed),
+    /// rather than the one beside a database: what several servers sharing
+    /// one PostgreSQL database name, so that they share one acquirer.
+    pub fn open_file(
+        path: &Path,
+        latency: Duration,
+        retention: Duration,
+        clock: Clock,
+    ) -> Result<Simulator> {
+        let conn = Connection::open(path).map_err(|e| {
             Error::Other(format!(
                 "cannot open the acquirer simulator's file {}: {e}",
                 path.display()
@@ -288,9 +302,7 @@ impl Simulator {
             )));
         }
         conn.pragma_update(None, "synchronous", "NORMAL")?;
-        let simulator = Simulator::with_connection(conn, latency, retention, clock)?;
-        simulator.import_v1(&Simulator::v1_journal_path(db))?;
-        Ok(simulator)
+        Simulator::with_connection(conn, latency, retention, clock)
     }
 
     fn with_connection(

@@ -5,6 +5,7 @@
 
 mod migrations;
 mod readers;
+mod postgres;
 mod sql;
 mod sqlite;
 mod writer;
@@ -20,7 +21,19 @@ use crate::error::{Error, Result};
 pub use migrations::{migrate, SCHEMA_VERSION};
 pub use readers::Readers;
 pub(crate) use sql::params;
-pub use sql::{numbered_to_dollar, Arg, Db, Dialect, FromValue, Row, Value};
+pub use postgres::PgStore;
+
+/// Whether `--db` names a PostgreSQL database rather than an SQLite file.
+pub fn is_postgres(db: &Path) -> bool {
+    postgres_url(db).is_some()
+}
+
+/// The URL `--db` holds, if it is a PostgreSQL one.
+pub fn postgres_url(db: &Path) -> Option<&str> {
+    db.to_str()
+        .filter(|s| s.starts_with("postgres://") || s.starts_with("postgresql://"))
+}
+pub use sql::{Arg, Db, Dialect, FromValue, Row, Value};
 pub use writer::Writer;
 
 #[cfg(test)]
@@ -236,4 +249,113 @@ impl ProcessLock {
             ))),
         }
     }
+}
+
+/// The database a running server writes and reads, whichever engine it is:
+/// the one seam between the application and its storage.
+///
+/// - SQLite: writes queue for the single writer thread, which runs them in
+///   savepoints of one group-commit transaction; reads go to the pool of
+///   read-only connections.
+/// - PostgreSQL: each write runs in its own serializable transaction on the
+///   calling thread (retried when it loses a race; see `postgres.rs`), each
+///   read on one read-only snapshot; any number of servers may share the
+///   database.
+///
+/// A write command may run more than once on PostgreSQL, so it must act only
+/// on the database (`FnMut`, no other side effect).
+pub enum Store {
+    /// An SQLite file, held by this process alone.
+    Sqlite {
+        /// The single writer thread.
+        writer: Writer,
+        /// The read-only connections.
+        readers: Readers,
+    },
+    /// A PostgreSQL database, shared by any number of servers.
+    Postgres {
+        /// The connection pool.
+        pg: PgStore,
+        /// Receives a message after a commit of this process (see
+        /// [`Store::commits`]); the sender side.
+        commit_tx: crossbeam_channel::Sender<()>,
+        /// The receiver side handed to watchers.
+        committed: crossbeam_channel::Receiver<()>,
+    },
+}
+
+impl Store {
+    /// A PostgreSQL store on `pg`.
+    pub fn postgres(pg: PgStore) -> Store {
+        let (commit_tx, committed) = crossbeam_channel::bounded(1);
+        Store::Postgres {
+            pg,
+            commit_tx,
+            committed,
+        }
+    }
+
+    /// The engine behind this store.
+    pub fn dialect(&self) -> Dialect {
+        match self {
+            Store::Sqlite { .. } => Dialect::Sqlite,
+            Store::Postgres { .. } => Dialect::Postgres,
+        }
+    }
+
+    /// Runs `f` in a write transaction and returns once it committed.
+    pub fn write<T, F>(&self, mut f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&dyn Db) -> Result<T> + Send + 'static,
+    {
+        match self {
+            Store::Sqlite { writer, .. } => writer.call(move |conn| f(conn)),
+            Store::Postgres { pg, commit_tx, .. } => {
+                let done = pg.write(f)?;
+                let _ = commit_tx.try_send(());
+                Ok(done)
+            }
+        }
+    }
+
+    /// Runs `f` on one consistent read-only view.
+    pub fn read<T>(&self, f: impl FnOnce(&dyn Db) -> Result<T>) -> Result<T> {
+        match self {
+            Store::Sqlite { readers, .. } => readers.read(|conn| f(conn)),
+            Store::Postgres { pg, .. } => pg.read(f),
+        }
+    }
+
+    /// A channel that receives a message after a commit of this process
+    /// (one waiting message stands for all commits since it was last
+    /// taken). On PostgreSQL other nodes' commits are not heard: whoever
+    /// waits on it must also poll.
+    pub fn commits(&self) -> crossbeam_channel::Receiver<()> {
+        match self {
+            Store::Sqlite { writer, .. } => writer.commits(),
+            Store::Postgres { committed, .. } => committed.clone(),
+        }
+    }
+
+    /// Stops the writer thread (SQLite: after applying what is queued, and
+    /// a checkpoint). Nothing to stop on PostgreSQL.
+    pub fn stop(&self) {
+        if let Store::Sqlite { writer, .. } = self {
+            writer.stop();
+        }
+    }
+}
+
+/// Runs `f` on the database `db` (a file or a PostgreSQL URL), read-only:
+/// for tools and tests that look at rows on either backend.
+#[cfg(any(feature = "cli", feature = "internals"))]
+pub fn inspect<T>(db: &Path, f: impl FnOnce(&dyn Db) -> Result<T>) -> Result<T> {
+    if let Some(url) = postgres_url(db) {
+        return PgStore::open(url, 1)?.read(f);
+    }
+    let conn = Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+        .map_err(|e| cannot_open(db, e))?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    f(&conn)
 }

@@ -290,37 +290,3 @@ impl dyn Db + '_ {
         self.query_one(sql, args, |r| r.get(0))
     }
 }
-
-/// `?N` placeholders as PostgreSQL's `$N`, outside string literals and
-/// quoted identifiers.
-pub fn numbered_to_dollar(sql: &str) -> String {
-    let mut out = String::with_capacity(sql.len());
-    let mut quote: Option<char> = None;
-    for c in sql.chars() {
-        match quote {
-            Some(q) if c == q => quote = None,
-            Some(_) => {}
-            None if c == '\'' || c == '"' => quote = Some(c),
-            None if c == '?' => {
-                out.push('$');
-                continue;
-            }
-            None => {}
-        }
-        out.push(c);
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn placeholders_outside_quotes_become_dollars() {
-        assert_eq!(
-            numbered_to_dollar("SELECT '?1', \"a?\" FROM t WHERE a = ?1 AND b = ?12"),
-            "SELECT '?1', \"a?\" FROM t WHERE a = $1 AND b = $12"
-        );
-    }
-}

@@ -223,7 +223,16 @@ impl Client {
 /// An in-process server on a temporary database, with a client for its
 /// `default` consumer and the accounts `card` and `shop`.
 pub fn server(configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Client) {
-    let server = idem::Server::start_temporary(configure).expect("start server");
+    let server = if on_postgres() {
+        // The database outlives the test (the cluster is CI's own); its
+        // simulator file is in the system temp dir.
+        let dir = std::mem::ManuallyDrop::new(TempDir::new("server"));
+        let mut config = config(&dir);
+        configure(&mut config);
+        idem::Server::start(config).expect("start server")
+    } else {
+        idem::Server::start_temporary(configure).expect("start server")
+    };
     let client = Client::new(server.addr(), server.initial_key().expect("default key"));
     client.card_and_shop();
     (server, client)
@@ -236,8 +245,7 @@ pub fn server_with_acquirer(
     acquirer: std::sync::Arc<dyn idem::acquirer::Acquirer>,
     configure: impl FnOnce(&mut idem::Config),
 ) -> (idem::Server, Client) {
-    let mut config = idem::Config::new(dir.db());
-    config.addr = "127.0.0.1:0".parse().unwrap();
+    let mut config = config(dir);
     config.reaper_interval = Duration::from_secs(3600);
     configure(&mut config);
     let server = idem::Server::start_with_acquirer(config, acquirer).expect("start server");
@@ -250,11 +258,21 @@ pub fn charge_body(amount: i64) -> Value {
     json!({"amount": amount, "currency": "BRL", "source": "card", "destination": "shop"})
 }
 
+/// A configuration on `dir`'s database (SQLite or PostgreSQL, see
+/// [`on_postgres`]) listening on a free port of 127.0.0.1.
+pub fn config(dir: &TempDir) -> idem::Config {
+    let mut config = idem::Config::new(dir.db());
+    config.addr = "127.0.0.1:0".parse().unwrap();
+    config.acquirer_store = acquirer_store(&dir.db());
+    config
+}
+
 /// Runs `idem verify` on a database; returns (exit code, report).
 pub fn verify_cli(db: &Path) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(["verify", "--db"])
         .arg(db)
+        .args(acquirer_store_args(db))
         .output()
         .expect("run idem verify");
     (
@@ -268,25 +286,109 @@ pub fn assert_verified(db: &Path) {
     assert_eq!(code, 0, "idem verify failed:\n{report}");
 }
 
-/// A fresh directory under the system temp dir, removed on drop.
-pub struct TempDir(pub PathBuf);
+/// The suite's backend: with `IDEM_TEST_POSTGRES` set to the URL of a
+/// PostgreSQL database its user may create databases from (`.ci/run` starts
+/// such a cluster), every test's database is a fresh PostgreSQL database;
+/// without it, an SQLite file. One set of tests, two backends.
+pub fn postgres_admin() -> Option<String> {
+    std::env::var("IDEM_TEST_POSTGRES")
+        .ok()
+        .filter(|s| !s.is_empty())
+}
+
+/// Whether this run's databases are PostgreSQL ones.
+pub fn on_postgres() -> bool {
+    postgres_admin().is_some()
+}
+
+/// For a test that needs SQLite's file itself (corrupting it, its -wal,
+/// its lock, a backup of it): true, after saying so, when this run is on
+/// PostgreSQL, where the test has nothing to check.
+pub fn skip_on_postgres(why: &str) -> bool {
+    if on_postgres() {
+        eprintln!("skipped on PostgreSQL: {why}");
+    }
+    on_postgres()
+}
+
+/// `admin` with its database replaced by `name`.
+fn with_database(admin: &str, name: &str) -> String {
+    let (base, _) = admin.rsplit_once('/').expect("a postgres:// URL with a database");
+    format!("{base}/{name}")
+}
+
+fn postgres_admin_client(admin: &str) -> postgres::Client {
+    postgres::Client::connect(admin, postgres::NoTls).expect("connect to IDEM_TEST_POSTGRES")
+}
+
+/// The acquirer simulator file for `db` when it is a PostgreSQL URL
+/// (`idem serve` needs one named there), in the system temp dir.
+pub fn acquirer_store(db: &Path) -> Option<PathBuf> {
+    let url = db.to_str()?;
+    if !url.starts_with("postgres://") {
+        return None;
+    }
+    let name = url.rsplit('/').next().unwrap();
+    Some(std::env::temp_dir().join(format!("{name}.acquirer.sqlite")))
+}
+
+fn acquirer_store_args(db: &Path) -> Vec<std::ffi::OsString> {
+    acquirer_store(db)
+        .map(|p| vec!["--acquirer-store".into(), p.into_os_string()])
+        .unwrap_or_default()
+}
+
+/// A fresh directory under the system temp dir, and on PostgreSQL a fresh
+/// database; both removed on drop.
+pub struct TempDir(pub PathBuf, Option<String>);
 
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
-        let path =
-            std::env::temp_dir().join(format!("idem-test-{tag}-{}", uuid::Uuid::new_v4().simple()));
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let path = std::env::temp_dir().join(format!("idem-test-{tag}-{id}"));
         std::fs::create_dir_all(&path).unwrap();
-        TempDir(path)
+        let database = postgres_admin().map(|admin| {
+            let name = format!("idem_test_{id}");
+            postgres_admin_client(&admin)
+                .batch_execute(&format!("CREATE DATABASE {name}"))
+                .expect("create the test database");
+            with_database(&admin, &name)
+        });
+        TempDir(path, database)
     }
+    /// The test's database: an SQLite file in the directory, or the URL of
+    /// its PostgreSQL database.
     pub fn db(&self) -> PathBuf {
-        self.0.join("idem.db")
+        match &self.1 {
+            Some(url) => PathBuf::from(url),
+            None => self.0.join("idem.db"),
+        }
     }
 }
 
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+        if let (Some(url), Some(admin)) = (&self.1, postgres_admin()) {
+            let name = url.rsplit('/').next().unwrap().to_string();
+            let _ = postgres_admin_client(&admin)
+                .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"));
+            if let Some(store) = acquirer_store(Path::new(url)) {
+                for suffix in ["", "-wal", "-shm"] {
+                    let mut p = store.clone().into_os_string();
+                    p.push(suffix);
+                    let _ = std::fs::remove_file(p);
+                }
+            }
+        }
     }
+}
+
+/// Runs `f` on the database `db` (either backend) through idem's own
+/// storage interface, read-only: how tests look at rows without caring
+/// which engine holds them.
+pub fn inspect<T>(db: &Path, f: impl FnOnce(&dyn idem::store::Db) -> idem::Result<T>) -> T {
+    idem::store::inspect(db, f).expect("read the database")
 }
 
 /// An `idem serve` child process.
@@ -307,6 +409,7 @@ impl ChildServer {
             .arg("--db")
             .arg(db)
             .args(["--addr", "127.0.0.1:0"])
+            .args(acquirer_store_args(db))
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -398,16 +501,14 @@ pub fn create_consumer_cli(db: &Path, name: &str) -> String {
 /// reading the server's database directly: a test then knows the order of
 /// events instead of guessing it with a sleep.
 pub fn wait_for_key(db: &Path, key: &str) {
-    let conn =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-            .expect("open the database read-only");
     eventually(Duration::from_secs(30), || {
-        conn.query_row(
-            "SELECT 1 FROM idempotency_keys WHERE key = ?1",
-            [key],
-            |_| Ok(()),
-        )
-        .ok()
+        inspect(db, |c| {
+            c.exists(
+                "SELECT 1 FROM idempotency_keys WHERE key = ?1",
+                &[&key as &dyn idem::store::Arg],
+            )
+        })
+        .then_some(())
     });
 }
 
