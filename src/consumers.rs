@@ -2,12 +2,12 @@
 //! only its SHA-256 is stored, and a presented key is compared with the
 //! stored hash in constant time.
 
-use rusqlite::{params, Connection, OptionalExtension};
 use sha2::{Digest, Sha256};
 
 use crate::config::CONSUMER_NAME_LEN_MAX;
 use crate::error::{Error, Result};
 use crate::ids;
+use crate::store::{params, Db};
 use crate::time::{now_ms, rfc3339};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,17 +36,14 @@ pub fn valid_name(name: &str) -> bool {
 
 /// Creates a consumer and returns it with its secret key (the only time the
 /// key exists outside the client).
-pub fn create(conn: &Connection, name: &str) -> Result<(Consumer, String)> {
+pub fn create(db: &dyn Db, name: &str) -> Result<(Consumer, String)> {
     if !valid_name(name) {
         return Err(Error::Usage(format!(
             "consumer name '{name}' must be 1 to {CONSUMER_NAME_LEN_MAX} characters of \
              A-Z a-z 0-9 _ - ."
         )));
     }
-    let exists = conn
-        .prepare_cached("SELECT 1 FROM consumers WHERE name = ?1")?
-        .exists([name])?;
-    if exists {
+    if db.exists("SELECT 1 FROM consumers WHERE name = ?1", params![name])? {
         return Err(Error::Config(format!(
             "a consumer named '{name}' already exists"
         )));
@@ -54,17 +51,13 @@ pub fn create(conn: &Connection, name: &str) -> Result<(Consumer, String)> {
     let key = ids::new_secret_key();
     let now = now_ms();
     let public_id = ids::new_id(ids::CONSUMER);
-    conn.prepare_cached(
-        "INSERT INTO consumers (public_id, name, key_hash, created_at) VALUES (?1, ?2, ?3, ?4)",
-    )?
-    .execute(params![
-        public_id,
-        name,
-        hash_key(key.as_bytes()).as_slice(),
-        now
-    ])?;
+    let id = db.query_value::<i64>(
+        "INSERT INTO consumers (public_id, name, key_hash, created_at) VALUES (?1, ?2, ?3, ?4) \
+         RETURNING id",
+        params![public_id, name, hash_key(key.as_bytes()), now],
+    )?;
     let consumer = Consumer {
-        id: conn.last_insert_rowid(),
+        id,
         public_id,
         name: name.to_string(),
         created_at: rfc3339(now),
@@ -73,32 +66,32 @@ pub fn create(conn: &Connection, name: &str) -> Result<(Consumer, String)> {
 }
 
 #[cfg(any(feature = "cli", feature = "internals"))]
-pub fn list(conn: &Connection) -> Result<Vec<Consumer>> {
-    let mut stmt =
-        conn.prepare_cached("SELECT id, public_id, name, created_at FROM consumers ORDER BY id")?;
-    let rows = stmt
-        .query_map([], |r| {
+pub fn list(db: &dyn Db) -> Result<Vec<Consumer>> {
+    db.query_all(
+        "SELECT id, public_id, name, created_at FROM consumers ORDER BY id",
+        params![],
+        |r| {
             Ok(Consumer {
                 id: r.get(0)?,
                 public_id: r.get(1)?,
                 name: r.get(2)?,
                 created_at: rfc3339(r.get(3)?),
             })
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
-    Ok(rows)
+        },
+    )
 }
 
-pub fn count(conn: &Connection) -> Result<i64> {
-    Ok(conn.query_row("SELECT count(*) FROM consumers", [], |r| r.get(0))?)
+pub fn count(db: &dyn Db) -> Result<i64> {
+    db.query_value("SELECT count(*) FROM consumers", params![])
 }
 
 /// The consumer whose key hashes to `hash`, if any (compared in constant time).
-pub fn authenticate(conn: &Connection, hash: &[u8; 32]) -> Result<Option<i64>> {
-    let found: Option<(i64, Vec<u8>)> = conn
-        .prepare_cached("SELECT id, key_hash FROM consumers WHERE key_hash = ?1")?
-        .query_row([hash.as_slice()], |r| Ok((r.get(0)?, r.get(1)?)))
-        .optional()?;
+pub fn authenticate(db: &dyn Db, hash: &[u8; 32]) -> Result<Option<i64>> {
+    let found = db.query_opt(
+        "SELECT id, key_hash FROM consumers WHERE key_hash = ?1",
+        params![hash],
+        |r| Ok((r.get::<i64>(0)?, r.get::<Vec<u8>>(1)?)),
+    )?;
     Ok(found.and_then(|(id, stored)| ct_eq(&stored, hash).then_some(id)))
 }
 

@@ -2,20 +2,20 @@
 //! the decision table as a pure function, and the key-row operations
 //! (reserve, take over, fence, record a recovery point, complete, unlock).
 //!
-//! The functions that touch the database take a connection on which the
-//! caller (the writer thread) holds a `BEGIN IMMEDIATE` transaction, so every
-//! read-decide-write below is atomic: the database picks the winner of a race.
+//! The functions that touch the database take a [`Db`] inside the caller's
+//! write transaction (the writer thread's), so every read-decide-write below
+//! is atomic: the database picks the winner of a race.
 
 use std::cmp::Ordering;
 use std::time::Duration;
 
-use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::config::IDEMPOTENCY_KEY_LEN_MAX;
 use crate::error::Result;
 use crate::ids;
+use crate::store::{params, Db, Row};
 
 /// A validated `Idempotency-Key`: 1–255 characters in 0x21–0x7E.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -411,11 +411,13 @@ pub struct Owner {
     pub key: String,
 }
 
+// `authorization` is a reserved word in PostgreSQL: quoted (as an
+// identifier, which SQLite reads the same) wherever a statement names it.
 const KEY_COLUMNS: &str =
     "id, consumer_id, key, op_id, fingerprint, state, generation, locked_at, \
-     recovery_point, request, authorization, response_status, response_body, completed_at";
+     recovery_point, request, \"authorization\", response_status, response_body, completed_at";
 
-fn row_to_key(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
+fn row_to_key(r: &dyn Row) -> Result<KeyRow> {
     let state: String = r.get(5)?;
     let recovery: String = r.get(8)?;
     let status: Option<i64> = r.get(11)?;
@@ -445,36 +447,28 @@ fn row_to_key(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRow> {
     })
 }
 
-pub fn load(conn: &Connection, scope: &Scope, key: &IdempotencyKey) -> Result<Option<KeyRow>> {
+pub fn load(db: &dyn Db, scope: &Scope, key: &IdempotencyKey) -> Result<Option<KeyRow>> {
     let sql = format!(
         "SELECT {KEY_COLUMNS} FROM idempotency_keys \
          WHERE consumer_id = ?1 AND method = ?2 AND path = ?3 AND key = ?4"
     );
-    Ok(conn
-        .prepare_cached(&sql)?
-        .query_row(
-            params![scope.consumer_id, scope.method, scope.path, key.as_str()],
-            row_to_key,
-        )
-        .optional()?)
+    db.query_opt(
+        &sql,
+        params![scope.consumer_id, scope.method, scope.path, key.as_str()],
+        row_to_key,
+    )
 }
 
-pub fn load_by_id(conn: &Connection, id: i64) -> Result<Option<KeyRow>> {
+pub fn load_by_id(db: &dyn Db, id: i64) -> Result<Option<KeyRow>> {
     let sql = format!("SELECT {KEY_COLUMNS} FROM idempotency_keys WHERE id = ?1");
-    Ok(conn
-        .prepare_cached(&sql)?
-        .query_row([id], row_to_key)
-        .optional()?)
+    db.query_opt(&sql, params![id], row_to_key)
 }
 
 /// The operation `op_id` of `consumer_id` (other consumers' are absent).
-pub fn load_operation(conn: &Connection, consumer_id: i64, op_id: &str) -> Result<Option<KeyRow>> {
+pub fn load_operation(db: &dyn Db, consumer_id: i64, op_id: &str) -> Result<Option<KeyRow>> {
     let sql =
         format!("SELECT {KEY_COLUMNS} FROM idempotency_keys WHERE op_id = ?1 AND consumer_id = ?2");
-    Ok(conn
-        .prepare_cached(&sql)?
-        .query_row(params![op_id, consumer_id], row_to_key)
-        .optional()?)
+    db.query_opt(&sql, params![op_id, consumer_id], row_to_key)
 }
 
 /// The outcome of trying to reserve a key.
@@ -536,9 +530,9 @@ pub fn settle(row: Option<&KeyRow>, a: &Attempt, now_ms: i64, t: Timeouts) -> Op
 
 /// Reserves the attempt's key, or tells why not. Runs the decision table on
 /// the row as it is inside the caller's write transaction.
-pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Result<Reservation> {
+pub fn reserve(db: &dyn Db, a: &Attempt, now_ms: i64, t: Timeouts) -> Result<Reservation> {
     let (scope, key, fp) = (&a.scope, &a.key, &a.fingerprint);
-    let existing = load(conn, scope, key)?;
+    let existing = load(db, scope, key)?;
     if let Some(answer) = settle(existing.as_ref(), a, now_ms, t) {
         return Ok(answer);
     }
@@ -550,40 +544,42 @@ pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Resu
                 .is_none_or(|r| r.state == KeyState::Completed) =>
         {
             if let Some(reference) = &a.reference {
-                let claimed = conn
-                    .prepare_cached(
-                        "SELECT 1 FROM idempotency_keys WHERE consumer_id = ?1 AND reference = ?2 \
-                         AND state = 'in_progress'",
-                    )?
-                    .exists(params![scope.consumer_id, reference])?;
+                let claimed = db.exists(
+                    "SELECT 1 FROM idempotency_keys WHERE consumer_id = ?1 AND reference = ?2 \
+                     AND state = 'in_progress'",
+                    params![scope.consumer_id, reference],
+                )?;
                 if claimed {
                     return Ok(Reservation::ReferenceBusy);
                 }
             }
             if let Some(old) = existing {
                 // A completed key past retention: the row makes way.
-                conn.prepare_cached("DELETE FROM idempotency_keys WHERE id = ?1")?
-                    .execute([old.id])?;
+                db.execute(
+                    "DELETE FROM idempotency_keys WHERE id = ?1",
+                    params![old.id],
+                )?;
             }
             let op_id = ids::new_id(ids::OPERATION);
-            conn.prepare_cached(
+            let id = db.query_value::<i64>(
                 "INSERT INTO idempotency_keys (consumer_id, method, path, key, fingerprint, op_id, \
                  state, generation, locked_at, recovery_point, request, reference, created_at) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'in_progress', 1, ?7, 'reserved', ?8, ?9, ?7)",
-            )?
-            .execute(params![
-                scope.consumer_id,
-                scope.method,
-                scope.path,
-                key.as_str(),
-                fp.as_slice(),
-                op_id,
-                now_ms,
-                a.request_json,
-                a.reference,
-            ])?;
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'in_progress', 1, ?7, 'reserved', ?8, ?9, ?7) \
+                 RETURNING id",
+                params![
+                    scope.consumer_id,
+                    scope.method,
+                    scope.path,
+                    key.as_str(),
+                    fp.as_slice(),
+                    op_id,
+                    now_ms,
+                    a.request_json,
+                    a.reference,
+                ],
+            )?;
             let row = KeyRow {
-                id: conn.last_insert_rowid(),
+                id,
                 consumer_id: scope.consumer_id,
                 key: key.as_str().to_string(),
                 op_id,
@@ -605,7 +601,7 @@ pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Resu
         }
         // An in-progress orphan.
         Some(row) => Ok(Reservation::Owned {
-            row: take_over(conn, &row, now_ms)?,
+            row: take_over(db, &row, now_ms)?,
             took_over: true,
         }),
         None => unreachable!("handled above"),
@@ -614,12 +610,12 @@ pub fn reserve(conn: &Connection, a: &Attempt, now_ms: i64, t: Timeouts) -> Resu
 
 /// Takes an orphan over: bumps the fencing token and relocks it now. Any
 /// later commit by the previous owner fails its fence check.
-pub fn take_over(conn: &Connection, row: &KeyRow, now_ms: i64) -> Result<KeyRow> {
-    conn.prepare_cached(
+pub fn take_over(db: &dyn Db, row: &KeyRow, now_ms: i64) -> Result<KeyRow> {
+    db.execute(
         "UPDATE idempotency_keys SET generation = generation + 1, locked_at = ?2 \
          WHERE id = ?1 AND state = 'in_progress'",
-    )?
-    .execute(params![row.id, now_ms])?;
+        params![row.id, now_ms],
+    )?;
     Ok(KeyRow {
         generation: row.generation + 1,
         locked_at_ms: now_ms,
@@ -629,35 +625,33 @@ pub fn take_over(conn: &Connection, row: &KeyRow, now_ms: i64) -> Result<KeyRow>
 }
 
 /// Whether `owner` still holds its key: same generation, still in progress.
-pub fn holds(conn: &Connection, owner: &Owner) -> Result<bool> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT 1 FROM idempotency_keys \
-             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
-        )?
-        .exists(params![owner.key_id, owner.generation])?)
+pub fn holds(db: &dyn Db, owner: &Owner) -> Result<bool> {
+    db.exists(
+        "SELECT 1 FROM idempotency_keys \
+         WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        params![owner.key_id, owner.generation],
+    )
 }
 
 /// Records the acquirer's answer as a recovery point and refreshes the lock.
 /// Returns false (and changes nothing) if `owner` was fenced off.
 pub fn record_authorization(
-    conn: &Connection,
+    db: &dyn Db,
     owner: &Owner,
     authorization: &str,
     now_ms: i64,
 ) -> Result<bool> {
-    let n = conn
-        .prepare_cached(
-            "UPDATE idempotency_keys SET recovery_point = ?3, authorization = ?4, locked_at = ?5 \
-             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
-        )?
-        .execute(params![
+    let n = db.execute(
+        "UPDATE idempotency_keys SET recovery_point = ?3, \"authorization\" = ?4, \
+         locked_at = ?5 WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        params![
             owner.key_id,
             owner.generation,
             RecoveryPoint::Authorized.as_str(),
             authorization,
             now_ms
-        ])?;
+        ],
+    )?;
     Ok(n == 1)
 }
 
@@ -665,22 +659,16 @@ pub fn record_authorization(
 /// point moves on and the lock is refreshed. Returns false (and changes
 /// nothing) if `owner` was fenced off.
 pub fn record_point(
-    conn: &Connection,
+    db: &dyn Db,
     owner: &Owner,
     point: RecoveryPoint,
     now_ms: i64,
 ) -> Result<bool> {
-    let n = conn
-        .prepare_cached(
-            "UPDATE idempotency_keys SET recovery_point = ?3, locked_at = ?4 \
-             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
-        )?
-        .execute(params![
-            owner.key_id,
-            owner.generation,
-            point.as_str(),
-            now_ms
-        ])?;
+    let n = db.execute(
+        "UPDATE idempotency_keys SET recovery_point = ?3, locked_at = ?4 \
+         WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        params![owner.key_id, owner.generation, point.as_str(), now_ms],
+    )?;
     Ok(n == 1)
 }
 
@@ -690,102 +678,96 @@ pub fn record_point(
 /// 409, and whoever resumes makes the call and then [`finish`]es. Returns
 /// false (and changes nothing) if `owner` was fenced off.
 pub fn record_answer(
-    conn: &Connection,
+    db: &dyn Db,
     owner: &Owner,
     point: RecoveryPoint,
     response: &StoredResponse,
     now_ms: i64,
 ) -> Result<bool> {
-    let n = conn
-        .prepare_cached(
-            "UPDATE idempotency_keys SET recovery_point = ?3, response_status = ?4, \
-             response_body = ?5, locked_at = ?6 \
-             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
-        )?
-        .execute(params![
+    let n = db.execute(
+        "UPDATE idempotency_keys SET recovery_point = ?3, response_status = ?4, \
+         response_body = ?5, locked_at = ?6 \
+         WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        params![
             owner.key_id,
             owner.generation,
             point.as_str(),
             response.status,
             response.body,
             now_ms
-        ])?;
+        ],
+    )?;
     Ok(n == 1)
 }
 
 /// Completes a key whose answer was recorded earlier ([`record_answer`]), now that its last
 /// acquirer call is done; returns that answer. `None` (and no change) if
 /// `owner` was fenced off.
-pub fn finish(conn: &Connection, owner: &Owner, now_ms: i64) -> Result<Option<StoredResponse>> {
-    let n = conn
-        .prepare_cached(
-            "UPDATE idempotency_keys SET state = 'completed', completed_at = ?3 \
-             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress' \
-             AND response_status IS NOT NULL",
-        )?
-        .execute(params![owner.key_id, owner.generation, now_ms])?;
+pub fn finish(db: &dyn Db, owner: &Owner, now_ms: i64) -> Result<Option<StoredResponse>> {
+    let n = db.execute(
+        "UPDATE idempotency_keys SET state = 'completed', completed_at = ?3 \
+         WHERE id = ?1 AND generation = ?2 AND state = 'in_progress' \
+         AND response_status IS NOT NULL",
+        params![owner.key_id, owner.generation, now_ms],
+    )?;
     if n == 0 {
         return Ok(None);
     }
-    Ok(load_by_id(conn, owner.key_id)?.and_then(|row| row.response))
+    Ok(load_by_id(db, owner.key_id)?.and_then(|row| row.response))
 }
 
 /// Stores the final answer and completes the key. Returns false (and changes
 /// nothing) if `owner` was fenced off.
 pub fn complete(
-    conn: &Connection,
+    db: &dyn Db,
     owner: &Owner,
     response: &StoredResponse,
     now_ms: i64,
 ) -> Result<bool> {
-    let n = conn
-        .prepare_cached(
-            "UPDATE idempotency_keys SET state = 'completed', response_status = ?3, \
-             response_body = ?4, completed_at = ?5 \
-             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
-        )?
-        .execute(params![
+    let n = db.execute(
+        "UPDATE idempotency_keys SET state = 'completed', response_status = ?3, \
+         response_body = ?4, completed_at = ?5 \
+         WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        params![
             owner.key_id,
             owner.generation,
             response.status,
             response.body,
             now_ms
-        ])?;
+        ],
+    )?;
     Ok(n == 1)
 }
 
 /// Gives the key up after a transient failure: the next request (or the
 /// reaper) takes it over at once and resumes from its recovery point.
-pub fn unlock(conn: &Connection, owner: &Owner) -> Result<bool> {
-    let n = conn
-        .prepare_cached(
-            "UPDATE idempotency_keys SET locked_at = 0 \
-             WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
-        )?
-        .execute(params![owner.key_id, owner.generation])?;
+pub fn unlock(db: &dyn Db, owner: &Owner) -> Result<bool> {
+    let n = db.execute(
+        "UPDATE idempotency_keys SET locked_at = 0 \
+         WHERE id = ?1 AND generation = ?2 AND state = 'in_progress'",
+        params![owner.key_id, owner.generation],
+    )?;
     Ok(n == 1)
 }
 
 /// Ids of in-progress keys whose owner has been silent since before `cutoff_ms`.
-pub fn orphans(conn: &Connection, cutoff_ms: i64, limit: usize) -> Result<Vec<i64>> {
-    let mut stmt = conn.prepare_cached(
+pub fn orphans(db: &dyn Db, cutoff_ms: i64, limit: usize) -> Result<Vec<i64>> {
+    db.query_all(
         "SELECT id FROM idempotency_keys WHERE state = 'in_progress' AND locked_at < ?1 \
          ORDER BY locked_at LIMIT ?2",
-    )?;
-    let ids = stmt
-        .query_map(params![cutoff_ms, limit as i64], |r| r.get(0))?
-        .collect::<rusqlite::Result<Vec<i64>>>()?;
-    Ok(ids)
+        params![cutoff_ms, limit as i64],
+        |r| r.get(0),
+    )
 }
 
 /// Takes over the orphan `id` if it still is one (the reaper's entry point).
 pub fn take_over_orphan(
-    conn: &Connection,
+    db: &dyn Db,
     id: i64,
     now_ms: i64,
     inflight: Duration,
 ) -> Result<Option<KeyRow>> {
-    let Some(row) = load_by_id(conn, id)? else {
+    let Some(row) = load_by_id(db, id)? else {
         return Ok(None);
     };
     let orphaned = row.state == KeyState::InProgress
@@ -793,17 +775,16 @@ pub fn take_over_orphan(
     if !orphaned {
         return Ok(None);
     }
-    take_over(conn, &row, now_ms).map(Some)
+    take_over(db, &row, now_ms).map(Some)
 }
 
 /// Deletes up to `limit` completed keys that completed before `cutoff_ms`.
-pub fn delete_expired(conn: &Connection, cutoff_ms: i64, limit: usize) -> Result<usize> {
-    Ok(conn
-        .prepare_cached(
-            "DELETE FROM idempotency_keys WHERE id IN (SELECT id FROM idempotency_keys \
-             WHERE state = 'completed' AND completed_at < ?1 LIMIT ?2)",
-        )?
-        .execute(params![cutoff_ms, limit as i64])?)
+pub fn delete_expired(db: &dyn Db, cutoff_ms: i64, limit: usize) -> Result<usize> {
+    db.execute(
+        "DELETE FROM idempotency_keys WHERE id IN (SELECT id FROM idempotency_keys \
+         WHERE state = 'completed' AND completed_at < ?1 LIMIT ?2)",
+        params![cutoff_ms, limit as i64],
+    )
 }
 
 #[cfg(test)]

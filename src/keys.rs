@@ -15,12 +15,13 @@
 use std::path::Path;
 use std::time::Duration;
 
-use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use rusqlite::{Connection, TransactionBehavior};
 use serde::Serialize;
 
 use crate::acquirer::Simulator;
 use crate::error::{Error, Result};
 use crate::ledger;
+use crate::store::{params, Db, Dialect, Row};
 use crate::time::{millis, rfc3339};
 
 /// One key row as an operator sees it (no request, no response body).
@@ -92,17 +93,28 @@ pub enum Eviction {
     Refused(String),
 }
 
-const COLUMNS: &str = "c.name, k.method, k.path, k.key, k.op_id, \
+// Dialect split: the operation is the `kind` of the request kept as JSON
+// text; SQLite's json_extract has no PostgreSQL spelling (->> on jsonb).
+// `authorization` is quoted: a reserved word in PostgreSQL.
+const COLUMNS_SQLITE: &str = "c.name, k.method, k.path, k.key, k.op_id, \
      json_extract(k.request, '$.kind'), k.state, k.recovery_point, k.generation, \
-     k.fingerprint, k.authorization, k.created_at, k.locked_at, k.completed_at, \
+     k.fingerprint, k.\"authorization\", k.created_at, k.locked_at, k.completed_at, \
+     k.response_status";
+const COLUMNS_POSTGRES: &str = "c.name, k.method, k.path, k.key, k.op_id, \
+     (k.request::jsonb ->> 'kind'), k.state, k.recovery_point, k.generation, \
+     k.fingerprint, k.\"authorization\", k.created_at, k.locked_at, k.completed_at, \
      k.response_status";
 
-/// Reads one row of `COLUMNS`; `now_ms` and `inflight` decide `owner`.
-fn row_to_info(
-    r: &rusqlite::Row<'_>,
-    now_ms: i64,
-    inflight: Duration,
-) -> rusqlite::Result<KeyInfo> {
+/// The columns [`row_to_info`] reads, as `db` spells them.
+fn columns(db: &dyn Db) -> &'static str {
+    match db.dialect() {
+        Dialect::Sqlite => COLUMNS_SQLITE,
+        Dialect::Postgres => COLUMNS_POSTGRES,
+    }
+}
+
+/// Reads one row of [`columns`]; `now_ms` and `inflight` decide `owner`.
+fn row_to_info(r: &dyn Row, now_ms: i64, inflight: Duration) -> Result<KeyInfo> {
     let state: String = r.get(6)?;
     let fingerprint: Vec<u8> = r.get(9)?;
     let locked_at: i64 = r.get(12)?;
@@ -143,11 +155,12 @@ fn owner_of(locked_at: i64, now_ms: i64, inflight: Duration) -> &'static str {
 }
 
 /// The id of the consumer named `name`.
-fn consumer_id(conn: &Connection, name: &str) -> Result<i64> {
-    conn.query_row("SELECT id FROM consumers WHERE name = ?1", [name], |r| {
-        r.get(0)
-    })
-    .optional()?
+fn consumer_id(db: &dyn Db, name: &str) -> Result<i64> {
+    db.query_opt(
+        "SELECT id FROM consumers WHERE name = ?1",
+        params![name],
+        |r| r.get(0),
+    )?
     .ok_or_else(|| {
         Error::Other(format!(
             "no consumer named '{name}' (see `idem consumers list`)"
@@ -157,29 +170,32 @@ fn consumer_id(conn: &Connection, name: &str) -> Result<i64> {
 
 /// Keys, newest first, and whether more matched than `filter.limit`.
 pub fn list(
-    conn: &Connection,
+    db: &dyn Db,
     filter: &Filter,
     now_ms: i64,
     inflight: Duration,
 ) -> Result<(Vec<KeyInfo>, bool)> {
     let consumer = match &filter.consumer {
-        Some(name) => Some(consumer_id(conn, name)?),
+        Some(name) => Some(consumer_id(db, name)?),
         None => None,
     };
     let state = filter
         .in_progress
         .map(|p| if p { "in_progress" } else { "completed" });
+    // The casts type the parameters where PostgreSQL cannot infer a type
+    // (`?1 IS NULL`); on SQLite they change nothing.
     let sql = format!(
-        "SELECT {COLUMNS} FROM idempotency_keys k JOIN consumers c ON c.id = k.consumer_id \
-         WHERE (?1 IS NULL OR k.consumer_id = ?1) AND (?2 IS NULL OR k.state = ?2) \
-         ORDER BY k.created_at DESC, k.id DESC LIMIT ?3"
+        "SELECT {} FROM idempotency_keys k JOIN consumers c ON c.id = k.consumer_id \
+         WHERE (CAST(?1 AS BIGINT) IS NULL OR k.consumer_id = ?1) \
+         AND (CAST(?2 AS TEXT) IS NULL OR k.state = ?2) \
+         ORDER BY k.created_at DESC, k.id DESC LIMIT ?3",
+        columns(db)
     );
-    let mut stmt = conn.prepare(&sql)?;
-    let mut keys = stmt
-        .query_map(params![consumer, state, filter.limit as i64 + 1], |r| {
-            row_to_info(r, now_ms, inflight)
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let mut keys = db.query_all(
+        &sql,
+        params![consumer, state, filter.limit as i64 + 1],
+        |r| row_to_info(r, now_ms, inflight),
+    )?;
     let more = keys.len() > filter.limit;
     keys.truncate(filter.limit);
     Ok((keys, more))
@@ -187,19 +203,19 @@ pub fn list(
 
 /// The key `key` of consumer `consumer` on `POST path`.
 pub fn show(
-    conn: &Connection,
+    db: &dyn Db,
     consumer: &str,
     path: &str,
     key: &str,
     now_ms: i64,
     inflight: Duration,
 ) -> Result<Option<KeyInfo>> {
-    let consumer = consumer_id(conn, consumer)?;
-    load(conn, consumer, path, key, now_ms, inflight)
+    let consumer = consumer_id(db, consumer)?;
+    load(db, consumer, path, key, now_ms, inflight)
 }
 
 fn load(
-    conn: &Connection,
+    db: &dyn Db,
     consumer: i64,
     path: &str,
     key: &str,
@@ -207,14 +223,13 @@ fn load(
     inflight: Duration,
 ) -> Result<Option<KeyInfo>> {
     let sql = format!(
-        "SELECT {COLUMNS} FROM idempotency_keys k JOIN consumers c ON c.id = k.consumer_id \
-         WHERE k.consumer_id = ?1 AND k.method = 'POST' AND k.path = ?2 AND k.key = ?3"
+        "SELECT {} FROM idempotency_keys k JOIN consumers c ON c.id = k.consumer_id \
+         WHERE k.consumer_id = ?1 AND k.method = 'POST' AND k.path = ?2 AND k.key = ?3",
+        columns(db)
     );
-    Ok(conn
-        .query_row(&sql, params![consumer, path, key], |r| {
-            row_to_info(r, now_ms, inflight)
-        })
-        .optional()?)
+    db.query_opt(&sql, params![consumer, path, key], |r| {
+        row_to_info(r, now_ms, inflight)
+    })
 }
 
 /// Deletes a key so that the next request with it is new, if that is safe:
@@ -236,10 +251,11 @@ fn load(
 ///   transaction, so the hold can be captured or canceled again.
 ///
 /// One `BEGIN IMMEDIATE` transaction on `conn`, which may be a connection of
-/// another process than the server's.
+/// another process than the server's; `db_path` is the database's file, beside
+/// which the built-in acquirer keeps its own.
 pub fn evict(
     conn: &mut Connection,
-    db: &Path,
+    db_path: &Path,
     consumer: &str,
     path: &str,
     key: &str,
@@ -247,8 +263,42 @@ pub fn evict(
     inflight: Duration,
 ) -> Result<Eviction> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    let consumer_id = consumer_id(&tx, consumer)?;
-    let Some(info) = load(&tx, consumer_id, path, key, now_ms, inflight)? else {
+    // `ledger::release_claim` still takes the rusqlite connection: it comes
+    // in as a function on this same transaction.
+    let eviction = evict_in(
+        &*tx,
+        db_path,
+        consumer,
+        path,
+        key,
+        now_ms,
+        inflight,
+        &|op_id| ledger::release_claim(&tx, op_id),
+    )?;
+    // A refusal wrote nothing; dropping the transaction rolls it back.
+    if matches!(eviction, Eviction::Evicted { .. }) {
+        tx.commit()?;
+    }
+    Ok(eviction)
+}
+
+/// The body of [`evict`], inside the caller's write transaction on `db`:
+/// decides and, if it is safe, releases the claim (`release_claim`, which
+/// must run on that same transaction) and deletes the key row. The caller
+/// commits only an [`Eviction::Evicted`].
+#[allow(clippy::too_many_arguments)]
+pub fn evict_in(
+    db: &dyn Db,
+    db_path: &Path,
+    consumer: &str,
+    path: &str,
+    key: &str,
+    now_ms: i64,
+    inflight: Duration,
+    release_claim: &dyn Fn(&str) -> Result<Option<String>>,
+) -> Result<Eviction> {
+    let consumer_id = consumer_id(db, consumer)?;
+    let Some(info) = load(db, consumer_id, path, key, now_ms, inflight)? else {
         return Ok(Eviction::NotFound);
     };
     let mut released_charge = None;
@@ -271,7 +321,7 @@ pub fn evict(
                 info.recovery_point
             )));
         }
-        if Simulator::knows_operation(db, &info.op_id)? {
+        if Simulator::knows_operation(db_path, &info.op_id)? {
             return Ok(Eviction::Refused(format!(
                 "key '{key}' is an orphan at recovery point 'reserved', but the acquirer has \
                  already seen its operation {} (the owner stopped after the call, before \
@@ -281,14 +331,13 @@ pub fn evict(
                 info.op_id
             )));
         }
-        released_charge = ledger::release_claim(&tx, &info.op_id)?;
+        released_charge = release_claim(&info.op_id)?;
     }
-    tx.execute(
+    db.execute(
         "DELETE FROM idempotency_keys WHERE consumer_id = ?1 AND method = 'POST' \
          AND path = ?2 AND key = ?3",
         params![consumer_id, path, key],
     )?;
-    tx.commit()?;
     Ok(Eviction::Evicted {
         key: Box::new(info),
         released_charge,
