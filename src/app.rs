@@ -1425,7 +1425,7 @@ impl App {
 
     /// Pending deliveries, due or not.
     pub fn webhook_backlog(&self) -> Result<u64> {
-        self.readers.read(webhooks::backlog)
+        self.readers.read(|c| webhooks::backlog(c))
     }
 
     // -----------------------------------------------------------------------
