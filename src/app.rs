@@ -1422,7 +1422,7 @@ impl App {
 
     /// Pending deliveries, due or not.
     pub fn webhook_backlog(&self) -> Result<u64> {
-        self.store.read(webhooks::backlog)
+        self.store.read(|c| webhooks::backlog(c))
     }
 
     // -----------------------------------------------------------------------

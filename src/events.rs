@@ -8,14 +8,14 @@
 //! An event's body is rendered once, here, and stored as bytes: `GET
 //! /v1/events/{id}` and every delivery attempt send exactly those bytes.
 
-use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
 use serde_json::value::RawValue;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ids;
-use crate::ledger::{self, UnknownCursor};
+use crate::ledger::UnknownCursor;
 use crate::model::{ListObject, Page};
+use crate::store::{params, Db, Dialect, Row};
 use crate::time::rfc3339;
 
 /// What happened. The names are the contract's event types.
@@ -77,12 +77,32 @@ struct EventData<'a, T: Serialize> {
     object: &'a T,
 }
 
+/// The deliveries of a new event (`?1`), due at once (`?2`), one per live
+/// endpoint of its consumer (`?3`) subscribed to its type (`?4`) or to `*`.
+const QUEUE_DELIVERIES_SQLITE: &str =
+    "INSERT INTO deliveries (event_id, endpoint_id, status, attempts, next_attempt_at, \
+     updated_at) \
+     SELECT ?1, e.id, 'pending', 0, ?2, ?2 FROM webhook_endpoints e \
+     WHERE e.consumer_id = ?3 AND e.deleted_at IS NULL \
+     AND EXISTS (SELECT 1 FROM json_each(e.enabled_events) j WHERE j.value IN ('*', ?4))";
+/// [`QUEUE_DELIVERIES_SQLITE`] for PostgreSQL: the array's elements as text;
+/// the select list's parameters cast, so that their types do not hang on
+/// how PostgreSQL infers them through `INSERT … SELECT`.
+const QUEUE_DELIVERIES_POSTGRES: &str =
+    "INSERT INTO deliveries (event_id, endpoint_id, status, attempts, next_attempt_at, \
+     updated_at) \
+     SELECT CAST(?1 AS BIGINT), e.id, 'pending', 0, CAST(?2 AS BIGINT), CAST(?2 AS BIGINT) \
+     FROM webhook_endpoints e \
+     WHERE e.consumer_id = ?3 AND e.deleted_at IS NULL \
+     AND EXISTS (SELECT 1 FROM jsonb_array_elements_text(e.enabled_events::jsonb) AS j(value) \
+     WHERE j.value IN ('*', CAST(?4 AS TEXT)))";
+
 /// Writes the event of a state change, inside the caller's transaction, and
 /// a pending delivery for every live endpoint of the consumer subscribed to
 /// its type. `object` is the resource right after the change; `object_id`
 /// its public id. Returns the number of deliveries queued.
 pub fn record<T: Serialize>(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     kind: EventType,
     object_id: &str,
@@ -98,28 +118,28 @@ pub fn record<T: Serialize>(
         data: EventData { object },
     })
     .expect("an event serializes");
-    tx.prepare_cached(
+    let event_id = tx.query_value::<i64>(
         "INSERT INTO events (consumer_id, public_id, type, object_id, body, created_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-    )?
-    .execute(params![
-        consumer_id,
-        public_id,
-        kind.as_str(),
-        object_id,
-        body,
-        now_ms
-    ])?;
-    let event_id = tx.last_insert_rowid();
-    let queued = tx
-        .prepare_cached(
-            "INSERT INTO deliveries (event_id, endpoint_id, status, attempts, next_attempt_at, \
-             updated_at) \
-             SELECT ?1, e.id, 'pending', 0, ?2, ?2 FROM webhook_endpoints e \
-             WHERE e.consumer_id = ?3 AND e.deleted_at IS NULL \
-             AND EXISTS (SELECT 1 FROM json_each(e.enabled_events) j WHERE j.value IN ('*', ?4))",
-        )?
-        .execute(params![event_id, now_ms, consumer_id, kind.as_str()])?;
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6) RETURNING id",
+        params![
+            consumer_id,
+            public_id,
+            kind.as_str(),
+            object_id,
+            body,
+            now_ms
+        ],
+    )?;
+    // Dialect split: the endpoint's `enabled_events` is a JSON array in a
+    // TEXT column, which only the engines' own JSON functions can open.
+    let queue_sql = match tx.dialect() {
+        Dialect::Sqlite => QUEUE_DELIVERIES_SQLITE,
+        Dialect::Postgres => QUEUE_DELIVERIES_POSTGRES,
+    };
+    let queued = tx.execute(
+        queue_sql,
+        params![event_id, now_ms, consumer_id, kind.as_str()],
+    )?;
     Ok(queued)
 }
 
@@ -130,21 +150,18 @@ pub struct StoredEvent {
 }
 
 /// The event `public_id` of this consumer.
-pub fn get(conn: &Connection, consumer_id: i64, public_id: &str) -> Result<Option<StoredEvent>> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT body FROM events WHERE consumer_id = ?1 AND public_id = ?2",
-        )?
-        .query_row(params![consumer_id, public_id], |r| {
-            Ok(StoredEvent { body: r.get(0)? })
-        })
-        .optional()?)
+pub fn get(db: &dyn Db, consumer_id: i64, public_id: &str) -> Result<Option<StoredEvent>> {
+    db.query_opt(
+        "SELECT body FROM events WHERE consumer_id = ?1 AND public_id = ?2",
+        params![consumer_id, public_id],
+        |r| Ok(StoredEvent { body: r.get(0)? }),
+    )
 }
 
 /// A page of the consumer's events, newest first, of one type if given.
 /// The bodies go out as they are stored.
 pub fn list(
-    conn: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     kind: Option<EventType>,
     page: &Page,
@@ -157,21 +174,54 @@ pub fn list(
         "SELECT body FROM events WHERE consumer_id = ?1 {filter} AND id < ?2 \
          ORDER BY id DESC LIMIT ?3"
     );
-    ledger::page(
-        conn,
+    self::page(
+        db,
         consumer_id,
         page,
         "SELECT id FROM events WHERE consumer_id = ?1 AND public_id = ?2",
         &page_sql,
         |r| {
             // Stored as a BLOB of the bytes `record` rendered.
-            let invalid = |e: Box<dyn std::error::Error + Send + Sync>| {
-                rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Blob, e)
+            let invalid = |e: &dyn std::fmt::Display| {
+                Error::Storage(format!("column 0 holds an event body that is not JSON: {e}"))
             };
-            let body = String::from_utf8(r.get(0)?).map_err(|e| invalid(e.into()))?;
-            RawValue::from_string(body).map_err(|e| invalid(e.into()))
+            let body = String::from_utf8(r.get(0)?).map_err(|e| invalid(&e))?;
+            RawValue::from_string(body).map_err(|e| invalid(&e))
         },
     )
+}
+
+/// A page of `scope`'s rows, newest (highest id) first: `cursor_sql` finds
+/// the id of the cursor's row (`?1` the scope, `?2` the cursor's public
+/// id), `page_sql` reads the rows before it (`?1` the scope, `?2` the id,
+/// `?3` the limit, one more than the page to learn `has_more`).
+///
+/// `ledger::page` over a [`Db`], for the lists of this module, webhooks and
+/// inbound until `ledger.rs` itself is written against [`Db`]; then they
+/// call `ledger::page` again and this goes.
+pub(crate) fn page<T>(
+    db: &dyn Db,
+    scope: i64,
+    page: &Page,
+    cursor_sql: &str,
+    page_sql: &str,
+    map: impl FnMut(&dyn Row) -> Result<T>,
+) -> Result<std::result::Result<ListObject<T>, UnknownCursor>> {
+    let before = match &page.starting_after {
+        None => i64::MAX,
+        Some(cursor) => match db.query_opt(cursor_sql, params![scope, cursor], |r| r.get(0))? {
+            Some(id) => id,
+            None => return Ok(Err(UnknownCursor)),
+        },
+    };
+    let mut data = db.query_all(page_sql, params![scope, before, page.limit as i64 + 1], map)?;
+    let has_more = data.len() > page.limit;
+    data.truncate(page.limit);
+    Ok(Ok(ListObject {
+        object: "list",
+        data,
+        has_more,
+    }))
 }
 
 /// Deletes up to `limit` of the oldest events created before `cutoff_ms`,
@@ -179,11 +229,12 @@ pub fn list(
 /// changes before it may have lost their event) up to the newest one
 /// deleted. Events are deleted in id order, so a clock that stepped back
 /// never leaves an old event behind a newer deleted one for long.
-pub fn delete_expired(tx: &Connection, cutoff_ms: i64, limit: usize) -> Result<usize> {
-    let ids: Vec<(i64, i64)> = tx
-        .prepare_cached("SELECT id, created_at FROM events ORDER BY id LIMIT ?1")?
-        .query_map([limit as i64], |r| Ok((r.get(0)?, r.get(1)?)))?
-        .collect::<rusqlite::Result<_>>()?;
+pub fn delete_expired(tx: &dyn Db, cutoff_ms: i64, limit: usize) -> Result<usize> {
+    let ids: Vec<(i64, i64)> = tx.query_all(
+        "SELECT id, created_at FROM events ORDER BY id LIMIT ?1",
+        params![limit as i64],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
     let expired: Vec<(i64, i64)> = ids
         .into_iter()
         .take_while(|(_, at)| *at < cutoff_ms)
@@ -192,15 +243,21 @@ pub fn delete_expired(tx: &Connection, cutoff_ms: i64, limit: usize) -> Result<u
         return Ok(0);
     };
     let newest = expired.iter().map(|(_, at)| *at).max().unwrap_or(0);
-    tx.prepare_cached("DELETE FROM deliveries WHERE event_id <= ?1")?
-        .execute([last])?;
-    let n = tx
-        .prepare_cached("DELETE FROM events WHERE id <= ?1")?
-        .execute([last])?;
-    tx.prepare_cached(
-        "UPDATE event_horizon SET pruned_before = max(pruned_before, ?1 + 1) WHERE id = 1",
-    )?
-    .execute([newest])?;
+    tx.execute(
+        "DELETE FROM deliveries WHERE event_id <= ?1",
+        params![last],
+    )?;
+    let n = tx.execute("DELETE FROM events WHERE id <= ?1", params![last])?;
+    // Scalar max() is SQLite's: a CASE on both engines (pruned_before is NOT
+    // NULL). The cast types `?1` as BIGINT on PostgreSQL, which would infer
+    // a 32-bit integer from `?1 + 1`.
+    tx.execute(
+        "UPDATE event_horizon SET pruned_before = CASE \
+         WHEN pruned_before > CAST(?1 AS BIGINT) + 1 THEN pruned_before \
+         ELSE CAST(?1 AS BIGINT) + 1 END \
+         WHERE id = 1",
+        params![newest],
+    )?;
     Ok(n)
 }
 

@@ -26,19 +26,19 @@
 //! `ignored` ([`release_unmatched`]). Any other type is stored `ignored`,
 //! so the sender stops retrying.
 
-use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::api::Problem;
 use crate::config::{AMOUNT_MINOR_MAX, IDEMPOTENCY_KEY_LEN_MAX};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::events::{self, EventType};
 use crate::idempotency::{Fingerprint, StoredResponse};
 use crate::ids;
-use crate::ledger::{self, UnknownCursor};
+use crate::ledger::UnknownCursor;
 use crate::model::{FieldError, ListObject, Page};
 use crate::signature;
+use crate::store::{params, Db, Row};
 use crate::time::rfc3339;
 
 /// Longest source name, in characters.
@@ -90,24 +90,18 @@ pub struct SourceObject {
 /// Creates a source with a new random secret; the object carries the
 /// secret (`whsec_…`), shown this once.
 pub fn create_source(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     req: &SourceRequest,
     now_ms: i64,
 ) -> Result<SourceObject> {
     let (key, secret) = signature::new_secret()?;
     let public_id = ids::new_id(ids::NOTIFICATION_SOURCE);
-    tx.prepare_cached(
+    tx.execute(
         "INSERT INTO notification_sources (consumer_id, public_id, name, secret, created_at) \
          VALUES (?1, ?2, ?3, ?4, ?5)",
-    )?
-    .execute(params![
-        consumer_id,
-        public_id,
-        req.name,
-        key.as_slice(),
-        now_ms
-    ])?;
+        params![consumer_id, public_id, req.name, key.as_slice(), now_ms],
+    )?;
     Ok(SourceObject {
         id: public_id,
         object: "notification_source",
@@ -117,7 +111,7 @@ pub fn create_source(
     })
 }
 
-fn row_to_source(r: &rusqlite::Row<'_>) -> rusqlite::Result<SourceObject> {
+fn row_to_source(r: &dyn Row) -> Result<SourceObject> {
     Ok(SourceObject {
         id: r.get(0)?,
         object: "notification_source",
@@ -129,27 +123,26 @@ fn row_to_source(r: &rusqlite::Row<'_>) -> rusqlite::Result<SourceObject> {
 
 /// The consumer's source `public_id`, without its secret.
 pub fn get_source(
-    conn: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     public_id: &str,
 ) -> Result<Option<SourceObject>> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT public_id, name, created_at FROM notification_sources \
-             WHERE consumer_id = ?1 AND public_id = ?2",
-        )?
-        .query_row(params![consumer_id, public_id], row_to_source)
-        .optional()?)
+    db.query_opt(
+        "SELECT public_id, name, created_at FROM notification_sources \
+         WHERE consumer_id = ?1 AND public_id = ?2",
+        params![consumer_id, public_id],
+        row_to_source,
+    )
 }
 
 /// A page of the consumer's sources, newest first, without secrets.
 pub fn list_sources(
-    conn: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     p: &Page,
 ) -> Result<std::result::Result<ListObject<SourceObject>, UnknownCursor>> {
-    ledger::page(
-        conn,
+    events::page(
+        db,
         consumer_id,
         p,
         "SELECT id FROM notification_sources WHERE consumer_id = ?1 AND public_id = ?2",
@@ -170,21 +163,20 @@ pub struct SourceKey {
 
 /// The source `public_id` of any consumer (the notification route has no
 /// bearer key: the source's secret is the authentication).
-pub fn source_key(conn: &Connection, public_id: &str) -> Result<Option<SourceKey>> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT id, consumer_id, public_id, secret FROM notification_sources \
-             WHERE public_id = ?1",
-        )?
-        .query_row([public_id], |r| {
+pub fn source_key(db: &dyn Db, public_id: &str) -> Result<Option<SourceKey>> {
+    db.query_opt(
+        "SELECT id, consumer_id, public_id, secret FROM notification_sources \
+         WHERE public_id = ?1",
+        params![public_id],
+        |r| {
             Ok(SourceKey {
                 id: r.get(0)?,
                 consumer_id: r.get(1)?,
                 public_id: r.get(2)?,
                 key: r.get(3)?,
             })
-        })
-        .optional()?)
+        },
+    )
 }
 
 // ---------------------------------------------------------------------------
@@ -401,24 +393,23 @@ pub enum Received {
 /// The decision for a delivery of an id already stored (`None`: not
 /// stored yet). Runs on a reader first and again in the writer command.
 pub fn settle(
-    conn: &Connection,
+    db: &dyn Db,
     source_id: i64,
     webhook_id: &str,
     fp: &Fingerprint,
 ) -> Result<Option<Received>> {
-    let seen = conn
-        .prepare_cached(
-            "SELECT fingerprint, response_status, response_body FROM notifications \
-             WHERE source_id = ?1 AND webhook_id = ?2",
-        )?
-        .query_row(params![source_id, webhook_id], |r| {
-            Ok((
-                r.get::<_, Vec<u8>>(0)?,
-                r.get::<_, u16>(1)?,
-                r.get::<_, Vec<u8>>(2)?,
-            ))
-        })
-        .optional()?;
+    let seen = db.query_opt(
+        "SELECT fingerprint, response_status, response_body FROM notifications \
+         WHERE source_id = ?1 AND webhook_id = ?2",
+        params![source_id, webhook_id],
+        |r| {
+            let status = r.get::<i64>(1)?;
+            let status = u16::try_from(status).map_err(|_| {
+                Error::Storage(format!("column 1 holds {status}, not an HTTP status"))
+            })?;
+            Ok((r.get::<Vec<u8>>(0)?, status, r.get::<Vec<u8>>(2)?))
+        },
+    )?;
     Ok(seen.map(|(stored_fp, status, body)| {
         if stored_fp.as_slice() == fp.as_slice() {
             Received::Replay(StoredResponse { status, body })
@@ -433,7 +424,7 @@ pub fn settle(
 /// `before_commit` runs last, inside the transaction (the crash tests abort
 /// there).
 pub fn receive(
-    tx: &Connection,
+    tx: &dyn Db,
     d: &Delivery,
     now_ms: i64,
     before_commit: impl FnOnce(),
@@ -509,32 +500,33 @@ pub fn receive(
             .expect("a notification serializes"),
         },
     };
-    tx.prepare_cached(
+    // "authorization" is quoted wherever it is named: a reserved word on
+    // PostgreSQL, a plain name on SQLite.
+    let notification_id = tx.query_value::<i64>(
         "INSERT INTO notifications (consumer_id, source_id, public_id, webhook_id, fingerprint, \
-         type, status, authorization, body, detail, response_status, response_body, \
+         type, status, \"authorization\", body, detail, response_status, response_body, \
          received_at, applied_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
-    )?
-    .execute(params![
-        consumer_id,
-        d.source.id,
-        public_id,
-        d.webhook_id,
-        d.fingerprint.as_slice(),
-        d.request.kind,
-        status.as_str(),
-        d.request
-            .chargeback
-            .as_ref()
-            .map(|cb| cb.authorization.as_str()),
-        d.body,
-        detail,
-        stored.status,
-        stored.body,
-        now_ms,
-        (status == Status::Applied).then_some(now_ms),
-    ])?;
-    let notification_id = tx.last_insert_rowid();
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14) RETURNING id",
+        params![
+            consumer_id,
+            d.source.id,
+            public_id,
+            d.webhook_id,
+            d.fingerprint.as_slice(),
+            d.request.kind,
+            status.as_str(),
+            d.request
+                .chargeback
+                .as_ref()
+                .map(|cb| cb.authorization.as_str()),
+            d.body,
+            detail,
+            stored.status,
+            stored.body,
+            now_ms,
+            (status == Status::Applied).then_some(now_ms),
+        ],
+    )?;
     if let (Some(c), Some(cb), Some(dp)) = (&charge, &d.request.chargeback, dispute_id) {
         apply_dispute(
             tx,
@@ -570,18 +562,13 @@ struct ChargeRef {
     destination_id: i64,
 }
 
-fn find_charge(
-    tx: &Connection,
-    consumer_id: i64,
-    authorization: &str,
-) -> Result<Option<ChargeRef>> {
-    Ok(tx
-        .prepare_cached(
-            "SELECT id, public_id, status, amount_captured - amount_refunded - amount_disputed, \
-             source_id, destination_id FROM charges \
-             WHERE consumer_id = ?1 AND authorization_id = ?2 ORDER BY id LIMIT 1",
-        )?
-        .query_row(params![consumer_id, authorization], |r| {
+fn find_charge(tx: &dyn Db, consumer_id: i64, authorization: &str) -> Result<Option<ChargeRef>> {
+    tx.query_opt(
+        "SELECT id, public_id, status, amount_captured - amount_refunded - amount_disputed, \
+         source_id, destination_id FROM charges \
+         WHERE consumer_id = ?1 AND authorization_id = ?2 ORDER BY id LIMIT 1",
+        params![consumer_id, authorization],
+        |r| {
             Ok(ChargeRef {
                 id: r.get(0)?,
                 public_id: r.get(1)?,
@@ -590,8 +577,8 @@ fn find_charge(
                 source_id: r.get(4)?,
                 destination_id: r.get(5)?,
             })
-        })
-        .optional()?)
+        },
+    )
 }
 
 /// Why a chargeback is not applied to a captured charge.
@@ -631,7 +618,7 @@ impl Refusal {
 /// plus what its holds may still credit plus the amount, stay i64. The
 /// destination may go below zero (the network forces the chargeback).
 fn check_dispute(
-    tx: &Connection,
+    tx: &dyn Db,
     c: &ChargeRef,
     amount: i64,
 ) -> Result<std::result::Result<(), Refusal>> {
@@ -639,9 +626,11 @@ fn check_dispute(
         return Ok(Err(Refusal::Exceeds));
     }
     let balances = |id: i64| -> Result<(i64, i64)> {
-        Ok(tx
-            .prepare_cached("SELECT balance, pending_credit FROM accounts WHERE id = ?1")?
-            .query_row([id], |r| Ok((r.get(0)?, r.get(1)?)))?)
+        tx.query_one(
+            "SELECT balance, pending_credit FROM accounts WHERE id = ?1",
+            params![id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
     };
     let (destination, _) = balances(c.destination_id)?;
     let (source, source_pending) = balances(c.source_id)?;
@@ -658,7 +647,7 @@ fn check_dispute(
 /// and the event `charge.dispute.created`.
 #[allow(clippy::too_many_arguments)]
 fn apply_dispute(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     c: &ChargeRef,
     notification_id: i64,
@@ -667,38 +656,40 @@ fn apply_dispute(
     cb: &Chargeback,
     now_ms: i64,
 ) -> Result<()> {
-    tx.prepare_cached(
+    let dispute_id = tx.query_value::<i64>(
         "INSERT INTO disputes (consumer_id, public_id, charge_id, notification_id, amount, \
-         reason, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-    )?
-    .execute(params![
-        consumer_id,
-        dispute_public_id,
-        c.id,
-        notification_id,
-        cb.amount,
-        cb.reason,
-        now_ms
-    ])?;
-    let dispute_id = tx.last_insert_rowid();
-    tx.prepare_cached("UPDATE charges SET amount_disputed = amount_disputed + ?2 WHERE id = ?1")?
-        .execute(params![c.id, cb.amount])?;
+         reason, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) RETURNING id",
+        params![
+            consumer_id,
+            dispute_public_id,
+            c.id,
+            notification_id,
+            cb.amount,
+            cb.reason,
+            now_ms
+        ],
+    )?;
+    tx.execute(
+        "UPDATE charges SET amount_disputed = amount_disputed + ?2 WHERE id = ?1",
+        params![c.id, cb.amount],
+    )?;
     for (account_id, amount) in [(c.destination_id, -cb.amount), (c.source_id, cb.amount)] {
-        tx.prepare_cached(
+        tx.execute(
             "INSERT INTO entries (public_id, account_id, amount, charge_id, dispute_id, \
              created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-        )?
-        .execute(params![
-            ids::new_id(ids::ENTRY),
-            account_id,
-            amount,
-            c.id,
-            dispute_id,
-            now_ms
-        ])?;
-        let n = tx
-            .prepare_cached("UPDATE accounts SET balance = balance + ?2 WHERE id = ?1")?
-            .execute(params![account_id, amount])?;
+            params![
+                ids::new_id(ids::ENTRY),
+                account_id,
+                amount,
+                c.id,
+                dispute_id,
+                now_ms
+            ],
+        )?;
+        let n = tx.execute(
+            "UPDATE accounts SET balance = balance + ?2 WHERE id = ?1",
+            params![account_id, amount],
+        )?;
         assert_eq!(n, 1, "dispute entry for a missing account {account_id}");
     }
     let object = DisputeObject {
@@ -729,20 +720,17 @@ fn apply_dispute(
 /// lookup in the partial index `notifications_unmatched`, which holds
 /// only unmatched rows.
 pub fn settle_unmatched(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     authorization: &str,
     now_ms: i64,
 ) -> Result<()> {
-    let pending: Vec<(i64, String, Vec<u8>)> = tx
-        .prepare_cached(
-            "SELECT id, public_id, body FROM notifications \
-             WHERE consumer_id = ?1 AND authorization = ?2 AND status = 'unmatched' ORDER BY id",
-        )?
-        .query_map(params![consumer_id, authorization], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-        })?
-        .collect::<rusqlite::Result<_>>()?;
+    let pending: Vec<(i64, String, Vec<u8>)> = tx.query_all(
+        "SELECT id, public_id, body FROM notifications \
+         WHERE consumer_id = ?1 AND \"authorization\" = ?2 AND status = 'unmatched' ORDER BY id",
+        params![consumer_id, authorization],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+    )?;
     for (id, public_id, body) in pending {
         let chargeback = crate::json::from_slice(&body)
             .ok()
@@ -757,20 +745,20 @@ pub fn settle_unmatched(
         };
         match (outcome, chargeback, charge) {
             (Ok(()), Some(cb), Some(c)) => {
-                tx.prepare_cached(
+                tx.execute(
                     "UPDATE notifications SET status = 'applied', detail = NULL, applied_at = ?2 \
                      WHERE id = ?1",
-                )?
-                .execute(params![id, now_ms])?;
+                    params![id, now_ms],
+                )?;
                 let dispute = ids::new_id(ids::DISPUTE);
                 apply_dispute(tx, consumer_id, &c, id, &public_id, dispute, &cb, now_ms)?;
             }
             (outcome, _, _) => {
                 let detail = outcome.err().unwrap_or_default();
-                tx.prepare_cached(
+                tx.execute(
                     "UPDATE notifications SET status = 'ignored', detail = ?2 WHERE id = ?1",
-                )?
-                .execute(params![id, detail])?;
+                    params![id, detail],
+                )?;
             }
         }
     }
@@ -782,27 +770,27 @@ pub fn settle_unmatched(
 /// capture (`why`: canceled or expired): there is no captured money to
 /// take back.
 pub fn release_unmatched(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     authorization: &str,
     why: &str,
 ) -> Result<()> {
-    tx.prepare_cached(
+    tx.execute(
         "UPDATE notifications SET status = 'ignored', detail = ?3 \
-         WHERE consumer_id = ?1 AND authorization = ?2 AND status = 'unmatched'",
-    )?
-    .execute(params![
-        consumer_id,
-        authorization,
-        format!("the authorization's hold was {why} without a capture; nothing to take back")
-    ])?;
+         WHERE consumer_id = ?1 AND \"authorization\" = ?2 AND status = 'unmatched'",
+        params![
+            consumer_id,
+            authorization,
+            format!("the authorization's hold was {why} without a capture; nothing to take back")
+        ],
+    )?;
     Ok(())
 }
 
 /// A page of the consumer's notifications, newest first, of one status
 /// if given, each with its current status.
 pub fn list(
-    conn: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     status: Option<Status>,
     p: &Page,
@@ -817,8 +805,8 @@ pub fn list(
          FROM notifications n JOIN notification_sources s ON s.id = n.source_id \
          WHERE n.consumer_id = ?1 AND n.id < ?2 {filter} ORDER BY n.id DESC LIMIT ?3"
     );
-    ledger::page(
-        conn,
+    events::page(
+        db,
         consumer_id,
         p,
         "SELECT id FROM notifications WHERE consumer_id = ?1 AND public_id = ?2",

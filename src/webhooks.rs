@@ -8,15 +8,16 @@
 //! `next_attempt_at` until an attempt succeeds (`succeeded`), the attempts
 //! run out or its endpoint is deleted (`failed`).
 
-use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
 
 use crate::config::WEBHOOK_ENDPOINTS_MAX;
 use crate::error::{Error, Result};
 use crate::ids;
-use crate::ledger::{self, UnknownCursor};
+use crate::events;
+use crate::ledger::UnknownCursor;
 use crate::model::{ListObject, Page, WebhookEndpointRequest};
 use crate::signature;
+use crate::store::{params, Db, Row};
 use crate::time::rfc3339;
 
 /// Why a delivery stopped when its endpoint was deleted (its `last_error`).
@@ -54,7 +55,7 @@ pub enum CreateOutcome {
     LimitReached,
 }
 
-fn endpoint_object(r: &rusqlite::Row<'_>) -> rusqlite::Result<EndpointObject> {
+fn endpoint_object(r: &dyn Row) -> Result<EndpointObject> {
     let events: String = r.get(2)?;
     Ok(EndpointObject {
         id: r.get(0)?,
@@ -74,37 +75,36 @@ const ENDPOINT_COLUMNS: &str = "public_id, url, enabled_events, description, cre
 /// of live endpoints (counted in this transaction: two racing creations
 /// cannot both pass it).
 pub fn create(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     req: &WebhookEndpointRequest,
     now_ms: i64,
 ) -> Result<CreateOutcome> {
-    let live: i64 = tx
-        .prepare_cached(
-            "SELECT count(*) FROM webhook_endpoints \
-             WHERE consumer_id = ?1 AND deleted_at IS NULL",
-        )?
-        .query_row([consumer_id], |r| r.get(0))?;
+    let live: i64 = tx.query_value(
+        "SELECT count(*) FROM webhook_endpoints \
+         WHERE consumer_id = ?1 AND deleted_at IS NULL",
+        params![consumer_id],
+    )?;
     if live >= WEBHOOK_ENDPOINTS_MAX as i64 {
         return Ok(CreateOutcome::LimitReached);
     }
     let (key, secret) = signature::new_secret().map_err(|e| Error::Other(e.to_string()))?;
     let public_id = ids::new_id(ids::WEBHOOK_ENDPOINT);
     let events = serde_json::to_string(&req.enabled_events).expect("strings serialize");
-    tx.prepare_cached(
+    tx.execute(
         "INSERT INTO webhook_endpoints \
          (consumer_id, public_id, url, enabled_events, description, secret, created_at) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-    )?
-    .execute(params![
-        consumer_id,
-        public_id,
-        req.url,
-        events,
-        req.description,
-        &key[..],
-        now_ms
-    ])?;
+        params![
+            consumer_id,
+            public_id,
+            req.url,
+            events,
+            req.description,
+            &key[..],
+            now_ms
+        ],
+    )?;
     Ok(CreateOutcome::Created(EndpointObject {
         id: public_id,
         object: "webhook_endpoint",
@@ -118,25 +118,26 @@ pub fn create(
 }
 
 /// The live endpoint `public_id` of this consumer, without its secret.
-pub fn get(conn: &Connection, consumer_id: i64, public_id: &str) -> Result<Option<EndpointObject>> {
-    Ok(conn
-        .prepare_cached(&format!(
+pub fn get(db: &dyn Db, consumer_id: i64, public_id: &str) -> Result<Option<EndpointObject>> {
+    db.query_opt(
+        &format!(
             "SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints \
              WHERE consumer_id = ?1 AND public_id = ?2 AND deleted_at IS NULL"
-        ))?
-        .query_row(params![consumer_id, public_id], endpoint_object)
-        .optional()?)
+        ),
+        params![consumer_id, public_id],
+        endpoint_object,
+    )
 }
 
 /// A page of the consumer's live endpoints, newest first. A cursor may name
 /// an endpoint deleted since the previous page was read.
 pub fn list(
-    conn: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     page: &Page,
 ) -> Result<std::result::Result<ListObject<EndpointObject>, UnknownCursor>> {
-    ledger::page(
-        conn,
+    events::page(
+        db,
         consumer_id,
         page,
         "SELECT id FROM webhook_endpoints WHERE consumer_id = ?1 AND public_id = ?2",
@@ -155,35 +156,33 @@ pub fn list(
 /// DELETE whose first answer was lost must not see 404). Returns how many
 /// deliveries it stopped.
 pub fn delete(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     public_id: &str,
     now_ms: i64,
 ) -> Result<Option<usize>> {
-    let found: Option<(i64, Option<i64>)> = tx
-        .prepare_cached(
-            "SELECT id, deleted_at FROM webhook_endpoints \
-             WHERE consumer_id = ?1 AND public_id = ?2",
-        )?
-        .query_row(params![consumer_id, public_id], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })
-        .optional()?;
+    let found: Option<(i64, Option<i64>)> = tx.query_opt(
+        "SELECT id, deleted_at FROM webhook_endpoints \
+         WHERE consumer_id = ?1 AND public_id = ?2",
+        params![consumer_id, public_id],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
     let Some((id, deleted_at)) = found else {
         return Ok(None);
     };
     if deleted_at.is_some() {
         return Ok(Some(0));
     }
-    tx.prepare_cached("UPDATE webhook_endpoints SET deleted_at = ?2 WHERE id = ?1")?
-        .execute(params![id, now_ms])?;
-    let stopped = tx
-        .prepare_cached(
-            "UPDATE deliveries SET status = 'failed', next_attempt_at = NULL, \
-             last_error = ?2, updated_at = ?3 \
-             WHERE endpoint_id = ?1 AND status = 'pending'",
-        )?
-        .execute(params![id, DELETED_ERROR, now_ms])?;
+    tx.execute(
+        "UPDATE webhook_endpoints SET deleted_at = ?2 WHERE id = ?1",
+        params![id, now_ms],
+    )?;
+    let stopped = tx.execute(
+        "UPDATE deliveries SET status = 'failed', next_attempt_at = NULL, \
+         last_error = ?2, updated_at = ?3 \
+         WHERE endpoint_id = ?1 AND status = 'pending'",
+        params![id, DELETED_ERROR, now_ms],
+    )?;
     Ok(Some(stopped))
 }
 
@@ -208,24 +207,24 @@ pub struct DeliveryObject {
 /// so there is no page), oldest endpoint first; `None` if there is no such
 /// event.
 pub fn deliveries(
-    conn: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     event: &str,
 ) -> Result<Option<ListObject<DeliveryObject>>> {
-    let Some(event_id): Option<i64> = conn
-        .prepare_cached("SELECT id FROM events WHERE consumer_id = ?1 AND public_id = ?2")?
-        .query_row(params![consumer_id, event], |r| r.get(0))
-        .optional()?
+    let Some(event_id): Option<i64> = db.query_opt(
+        "SELECT id FROM events WHERE consumer_id = ?1 AND public_id = ?2",
+        params![consumer_id, event],
+        |r| r.get(0),
+    )?
     else {
         return Ok(None);
     };
-    let data = conn
-        .prepare_cached(
-            "SELECT e.public_id, d.status, d.attempts, d.last_status, d.last_error, \
-             d.next_attempt_at FROM deliveries d JOIN webhook_endpoints e ON e.id = d.endpoint_id \
-             WHERE d.event_id = ?1 ORDER BY d.endpoint_id",
-        )?
-        .query_map([event_id], |r| {
+    let data = db.query_all(
+        "SELECT e.public_id, d.status, d.attempts, d.last_status, d.last_error, \
+         d.next_attempt_at FROM deliveries d JOIN webhook_endpoints e ON e.id = d.endpoint_id \
+         WHERE d.event_id = ?1 ORDER BY d.endpoint_id",
+        params![event_id],
+        |r| {
             Ok(DeliveryObject {
                 object: "delivery",
                 endpoint: r.get(0)?,
@@ -233,10 +232,10 @@ pub fn deliveries(
                 attempts: r.get(2)?,
                 last_status: r.get(3)?,
                 last_error: r.get(4)?,
-                next_attempt_at: r.get::<_, Option<i64>>(5)?.map(rfc3339),
+                next_attempt_at: r.get::<Option<i64>>(5)?.map(rfc3339),
             })
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+        },
+    )?;
     Ok(Some(ListObject {
         object: "list",
         data,
@@ -259,35 +258,35 @@ pub struct Due {
 }
 
 /// Up to `limit` pending deliveries due at `now_ms`, the longest due first.
-pub fn due(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<Due>> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT d.id, d.endpoint_id, d.attempts, ev.public_id, ev.body, e.url, e.secret \
-             FROM deliveries d \
-             JOIN events ev ON ev.id = d.event_id \
-             JOIN webhook_endpoints e ON e.id = d.endpoint_id \
-             WHERE d.status = 'pending' AND d.next_attempt_at <= ?1 \
-             ORDER BY d.next_attempt_at LIMIT ?2",
-        )?
-        .query_map(params![now_ms, limit as i64], |r| {
+pub fn due(db: &dyn Db, now_ms: i64, limit: usize) -> Result<Vec<Due>> {
+    db.query_all(
+        "SELECT d.id, d.endpoint_id, d.attempts, ev.public_id, ev.body, e.url, e.secret \
+         FROM deliveries d \
+         JOIN events ev ON ev.id = d.event_id \
+         JOIN webhook_endpoints e ON e.id = d.endpoint_id \
+         WHERE d.status = 'pending' AND d.next_attempt_at <= ?1 \
+         ORDER BY d.next_attempt_at LIMIT ?2",
+        params![now_ms, limit as i64],
+        |r| {
             Ok(Due {
                 id: r.get(0)?,
                 endpoint_id: r.get(1)?,
-                attempts: u32::try_from(r.get::<_, i64>(2)?).unwrap_or(u32::MAX),
+                attempts: u32::try_from(r.get::<i64>(2)?).unwrap_or(u32::MAX),
                 event: r.get(3)?,
                 body: r.get(4)?,
                 url: r.get(5)?,
                 key: r.get(6)?,
             })
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?)
+        },
+    )
 }
 
 /// Pending deliveries, due or not (the `idem_webhook_backlog` gauge).
-pub fn backlog(conn: &Connection) -> Result<u64> {
-    let n: i64 = conn
-        .prepare_cached("SELECT count(*) FROM deliveries WHERE status = 'pending'")?
-        .query_row([], |r| r.get(0))?;
+pub fn backlog(db: &dyn Db) -> Result<u64> {
+    let n: i64 = db.query_value(
+        "SELECT count(*) FROM deliveries WHERE status = 'pending'",
+        params![],
+    )?;
     Ok(n.max(0) as u64)
 }
 
@@ -321,18 +320,17 @@ pub struct AttemptRecord {
 
 /// Records one attempt of a delivery, if it is still pending (a delivery
 /// its endpoint's deletion stopped is `Gone`).
-pub fn record_attempt(tx: &Connection, a: &AttemptRecord, now_ms: i64) -> Result<Recorded> {
+pub fn record_attempt(tx: &dyn Db, a: &AttemptRecord, now_ms: i64) -> Result<Recorded> {
     let (state, next, recorded) = match (a.ok, a.next_attempt_at) {
         (true, _) => ("succeeded", None, Recorded::Succeeded),
         (false, Some(at)) => ("pending", Some(at), Recorded::Retried),
         (false, None) => ("failed", None, Recorded::Failed),
     };
-    let n = tx
-        .prepare_cached(
-            "UPDATE deliveries SET status = ?2, attempts = attempts + 1, last_status = ?3, \
-             last_error = ?4, next_attempt_at = ?5, updated_at = ?6 \
-             WHERE id = ?1 AND status = 'pending'",
-        )?
-        .execute(params![a.id, state, a.status, a.error, next, now_ms])?;
+    let n = tx.execute(
+        "UPDATE deliveries SET status = ?2, attempts = attempts + 1, last_status = ?3, \
+         last_error = ?4, next_attempt_at = ?5, updated_at = ?6 \
+         WHERE id = ?1 AND status = 'pending'",
+        params![a.id, state, a.status, a.error, next, now_ms],
+    )?;
     Ok(if n == 1 { recorded } else { Recorded::Gone })
 }
