@@ -1,20 +1,31 @@
-//! `idem verify`: SQLite's own checks and the five ledger invariants of the
-//! contract, each as a query that lists what breaks it. Used by the CLI and
-//! by every test that crashes the server.
+//! `idem verify`: SQLite's own checks of the file and the five ledger
+//! invariants of the contract, each as a query that lists what breaks it.
+//! Used by the CLI and by every test that crashes the server.
 //!
-//! Sums of money are never left to SQLite's `sum()`: it fails with "integer
-//! overflow" as soon as a running total leaves `i64`, which a sound ledger
-//! reaches easily (two balances near `i64::MAX` and two near its negative sum
-//! to 0, but not in every order). Those checks stream the amounts and add
-//! them up as `i128`, which no table of `i64` can overflow (it would need
-//! 2^64 rows).
+//! The two kinds are kept apart. The ledger invariants ([`check_invariants`])
+//! are written against [`Db`] and run the same on either engine. The checks
+//! of the SQLite file itself (`PRAGMA integrity_check`, `foreign_key_check`,
+//! `user_version`, a file too damaged to read) are `check_sqlite_file`'s,
+//! SQLite only: the SQLite entry points ([`verify`], [`verify_unless`],
+//! `verify_with_acquirer`) run them first, in the same read transaction. A
+//! PostgreSQL path skips them: it checks its schema version in its own
+//! `idem_schema` table and calls [`check_invariants`] inside its
+//! transaction.
+//!
+//! Sums of money are never left to the database's `sum()`: SQLite's fails
+//! with "integer overflow" as soon as a running total leaves `i64`, which a
+//! sound ledger reaches easily (two balances near `i64::MAX` and two near
+//! its negative sum to 0, but not in every order), and PostgreSQL's returns
+//! a NUMERIC that [`Db`] does not read. Those checks stream the amounts and
+//! add them up as `i128`, which no table of `i64` can overflow (it would
+//! need 2^64 rows).
 
 use std::collections::{BTreeMap, HashMap};
 
-use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode};
 
 use crate::error::{Error, Result};
+use crate::store::{params, Db, Dialect, Row, Value};
 
 /// What failed; empty when the database is sound.
 #[derive(Debug, Default)]
@@ -61,9 +72,14 @@ impl std::fmt::Display for Report {
 enum Check {
     /// A query whose every row is one violation, rendered by the query.
     Query(&'static str),
+    /// A query whose every row is one violation, written per engine (JSON).
+    Dialects {
+        sqlite: &'static str,
+        postgres: &'static str,
+    },
     /// Code that adds amounts up exactly (`i128`), where SQLite's `sum()`
-    /// could overflow.
-    Sums(fn(&Connection) -> Result<Vec<String>>),
+    /// could overflow (and PostgreSQL's returns NUMERIC).
+    Sums(fn(&dyn Db) -> Result<Vec<String>>),
 }
 
 /// Invariant checks, in the order of the contract: a name and how to find
@@ -140,7 +156,7 @@ const CHECKS: &[(&str, Check)] = &[
         Check::Query(
             "SELECT 'entry ' || e.public_id || ' of refund ' || r.public_id || \
              ' names another charge' FROM entries e JOIN refunds r ON r.id = e.refund_id \
-             WHERE e.charge_id IS NOT r.charge_id",
+             WHERE e.charge_id IS DISTINCT FROM r.charge_id",
         ),
     ),
     (
@@ -178,8 +194,8 @@ const CHECKS: &[(&str, Check)] = &[
              UNION ALL SELECT 'dispute ' || d.public_id || ' is not of its notification''s \
              authorization' FROM disputes d JOIN notifications n ON n.id = d.notification_id \
              JOIN charges c ON c.id = d.charge_id WHERE n.type <> 'chargeback.created' \
-             OR n.authorization IS NOT c.authorization_id OR n.consumer_id <> c.consumer_id \
-             OR d.consumer_id <> c.consumer_id",
+             OR n.authorization IS DISTINCT FROM c.authorization_id \
+             OR n.consumer_id <> c.consumer_id OR d.consumer_id <> c.consumer_id",
         ),
     ),
     (
@@ -195,31 +211,12 @@ const CHECKS: &[(&str, Check)] = &[
         // A 201 names the charge or refund this very reservation produced
         // (same op_id); a 200 charge (a reference replay) names the charge
         // that holds the reference of the key's request.
-        Check::Query(
-            "WITH answers AS (SELECT k.op_id, k.consumer_id, k.response_status AS status, \
-               json_extract(CAST(k.response_body AS TEXT), '$.object') AS object, \
-               json_extract(CAST(k.response_body AS TEXT), '$.id') AS id, \
-               json_extract(k.request, '$.reference') AS reference, k.path \
-             FROM idempotency_keys k WHERE k.state = 'completed' \
-               AND k.response_status IN (200, 201)) \
-             SELECT 'key ' || a.op_id || ' answered ' || a.status || ' with ' || a.id || \
-               ', which it did not produce' FROM answers a WHERE \
-             (a.status = 201 AND a.object = 'charge' AND NOT EXISTS (SELECT 1 FROM charges c \
-               WHERE c.public_id = a.id AND c.consumer_id = a.consumer_id \
-               AND c.op_id = a.op_id)) \
-             OR (a.status = 201 AND a.object = 'refund' AND NOT EXISTS (SELECT 1 FROM refunds r \
-               WHERE r.public_id = a.id AND r.consumer_id = a.consumer_id \
-               AND r.op_id = a.op_id)) \
-             OR (a.status = 200 AND a.object = 'charge' AND a.path = '/v1/charges' \
-               AND NOT EXISTS (SELECT 1 FROM charges c \
-               WHERE c.public_id = a.id AND c.consumer_id = a.consumer_id \
-               AND c.reference = a.reference)) \
-             OR (a.status = 200 AND a.object = 'charge' AND a.path <> '/v1/charges' \
-               AND NOT EXISTS (SELECT 1 FROM charges c \
-               WHERE c.public_id = a.id AND c.consumer_id = a.consumer_id \
-               AND a.path = '/v1/charges/' || c.public_id || \
-                 CASE c.status WHEN 'succeeded' THEN '/capture' ELSE '/cancel' END))",
-        ),
+        // SQLite's json_extract has no spelling PostgreSQL shares: there
+        // the stored body (BYTEA) and request (TEXT) are cast to jsonb.
+        Check::Dialects {
+            sqlite: ANSWERS_SQLITE,
+            postgres: ANSWERS_POSTGRES,
+        },
     ),
     (
         "4. each charge and refund records the key that produced it",
@@ -342,6 +339,55 @@ const CHECKS: &[(&str, Check)] = &[
     ),
 ];
 
+/// The end of check "4. a stored answer names what its key produced",
+/// which both engines share: which answers, and which of them name
+/// something their key did not produce. Its start is per engine:
+/// [`ANSWERS_SQLITE`], [`ANSWERS_POSTGRES`].
+macro_rules! answers_rest {
+    () => {
+        "FROM idempotency_keys k WHERE k.state = 'completed' \
+           AND k.response_status IN (200, 201)) \
+         SELECT 'key ' || a.op_id || ' answered ' || a.status || ' with ' || a.id || \
+           ', which it did not produce' FROM answers a WHERE \
+         (a.status = 201 AND a.object = 'charge' AND NOT EXISTS (SELECT 1 FROM charges c \
+           WHERE c.public_id = a.id AND c.consumer_id = a.consumer_id \
+           AND c.op_id = a.op_id)) \
+         OR (a.status = 201 AND a.object = 'refund' AND NOT EXISTS (SELECT 1 FROM refunds r \
+           WHERE r.public_id = a.id AND r.consumer_id = a.consumer_id \
+           AND r.op_id = a.op_id)) \
+         OR (a.status = 200 AND a.object = 'charge' AND a.path = '/v1/charges' \
+           AND NOT EXISTS (SELECT 1 FROM charges c \
+           WHERE c.public_id = a.id AND c.consumer_id = a.consumer_id \
+           AND c.reference = a.reference)) \
+         OR (a.status = 200 AND a.object = 'charge' AND a.path <> '/v1/charges' \
+           AND NOT EXISTS (SELECT 1 FROM charges c \
+           WHERE c.public_id = a.id AND c.consumer_id = a.consumer_id \
+           AND a.path = '/v1/charges/' || c.public_id || \
+             CASE c.status WHEN 'succeeded' THEN '/capture' ELSE '/cancel' END))"
+    };
+}
+
+/// Check "4. a stored answer names what its key produced" on SQLite
+/// (`json_extract`).
+const ANSWERS_SQLITE: &str = concat!(
+    "WITH answers AS (SELECT k.op_id, k.consumer_id, k.response_status AS status, \
+       json_extract(CAST(k.response_body AS TEXT), '$.object') AS object, \
+       json_extract(CAST(k.response_body AS TEXT), '$.id') AS id, \
+       json_extract(k.request, '$.reference') AS reference, k.path ",
+    answers_rest!()
+);
+
+/// [`ANSWERS_SQLITE`] on PostgreSQL: `response_body` is BYTEA holding
+/// UTF-8 JSON, `request` TEXT holding JSON; `->>` gives a JSON string
+/// unquoted, as `json_extract` does.
+const ANSWERS_POSTGRES: &str = concat!(
+    "WITH answers AS (SELECT k.op_id, k.consumer_id, k.response_status AS status, \
+       convert_from(k.response_body, 'UTF8')::jsonb ->> 'object' AS object, \
+       convert_from(k.response_body, 'UTF8')::jsonb ->> 'id' AS id, \
+       k.request::jsonb ->> 'reference' AS reference, k.path ",
+    answers_rest!()
+);
+
 /// The acquirer's books against the ledger's, where the built-in
 /// simulator's file is there to read (`idem verify`): a name and a query
 /// over the attached `acquirer` database whose every row is a violation.
@@ -397,6 +443,10 @@ const ACQUIRER_CHECKS: &[(&str, &str)] = &[
     ),
 ];
 
+// ---------------------------------------------------------------------------
+// SQLite: the entry points, and the checks of the file itself.
+// ---------------------------------------------------------------------------
+
 /// Runs every check inside one read transaction (one consistent snapshot).
 pub fn verify(conn: &Connection) -> Result<Report> {
     verify_unless(conn, &|| false)
@@ -407,7 +457,8 @@ pub fn verify(conn: &Connection) -> Result<Report> {
 /// there is one. Every live authorization belongs to a held charge (or an
 /// operation in progress), every capture is a succeeded charge that
 /// captured as much, every void a charge that holds and moved nothing, and
-/// the refunds agree.
+/// the refunds agree. SQLite only: the simulator's file is attached to
+/// `conn`.
 #[cfg(any(feature = "cli", feature = "internals"))]
 pub fn verify_with_acquirer(conn: &Connection, simulator: &std::path::Path) -> Result<Report> {
     let mut report = verify(conn)?;
@@ -424,7 +475,7 @@ pub fn verify_with_acquirer(conn: &Connection, simulator: &std::path::Path) -> R
     let checked = (|| -> Result<()> {
         conn.execute_batch("BEGIN")?;
         for (name, sql) in ACQUIRER_CHECKS {
-            for line in query_lines(conn, sql)? {
+            for line in sqlite_lines(conn, sql)? {
                 report
                     .failures
                     .push(format!("acquirer agreement, {name}: {line}"));
@@ -466,12 +517,24 @@ pub fn verify_unless(conn: &Connection, stop: &dyn Fn() -> bool) -> Result<Repor
     }
 }
 
+/// The file's checks, then, at the current schema, the ledger invariants.
 fn run_checks(conn: &Connection, report: &mut Report, stop: &dyn Fn() -> bool) -> Result<()> {
-    let stopped = || Error::Other("the check was stopped".into());
     if stop() {
         return Err(stopped());
     }
-    let integrity: Vec<String> = query_lines(conn, "PRAGMA integrity_check")?;
+    check_sqlite_file(conn, report)?;
+    if report.invariants_skipped_at.is_some() {
+        return Ok(());
+    }
+    check_invariants(conn, report, stop)
+}
+
+/// SQLite only: the file's own integrity and foreign keys, and its schema
+/// version (`user_version`); below this build's, the ledger invariants do
+/// not apply and `report.invariants_skipped_at` says so. PostgreSQL has
+/// neither pragma; its schema version is in `idem_schema`.
+fn check_sqlite_file(conn: &Connection, report: &mut Report) -> Result<()> {
+    let integrity: Vec<String> = sqlite_lines(conn, "PRAGMA integrity_check")?;
     if integrity != ["ok"] {
         for line in integrity {
             report.failures.push(format!("integrity_check: {line}"));
@@ -492,15 +555,52 @@ fn run_checks(conn: &Connection, report: &mut Report, stop: &dyn Fn() -> bool) -
     let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
     if version < crate::store::SCHEMA_VERSION {
         report.invariants_skipped_at = Some(version);
-        return Ok(());
     }
+    Ok(())
+}
+
+/// Whether an SQLite error says the file is damaged (a finding of
+/// `verify`, not a failure to check).
+fn is_damage(e: &rusqlite::Error) -> bool {
+    matches!(
+        e.sqlite_error_code(),
+        Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase)
+    )
+}
+
+/// The first column of every row of an SQLite-only statement (a pragma,
+/// or a query over the attached simulator), as text.
+fn sqlite_lines(conn: &Connection, sql: &str) -> Result<Vec<String>> {
+    let mut stmt = conn.prepare(sql)?;
+    let lines = stmt
+        .query_map([], |r| r.get::<_, String>(0))?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(lines)
+}
+
+// ---------------------------------------------------------------------------
+// Either engine: the ledger invariants.
+// ---------------------------------------------------------------------------
+
+/// The ledger invariants ([`CHECKS`]), on either engine: each violation is
+/// added to `report.failures` as one line naming its check. It runs inside
+/// the transaction `db` is in (one snapshot for every check: the caller
+/// opens it) and assumes the current schema, which the caller has checked.
+/// `stop()` is asked before each check; once it is true this gives up with
+/// an error, keeping in `report` what it found so far.
+pub fn check_invariants(db: &dyn Db, report: &mut Report, stop: &dyn Fn() -> bool) -> Result<()> {
     for (name, check) in CHECKS {
         if stop() {
             return Err(stopped());
         }
         let lines = match check {
-            Check::Query(sql) => query_lines(conn, sql)?,
-            Check::Sums(find) => find(conn)?,
+            Check::Query(sql) => query_lines(db, sql)?,
+            // JSON functions: SQLite's and PostgreSQL's are spelled apart.
+            Check::Dialects { sqlite, postgres } => match db.dialect() {
+                Dialect::Sqlite => query_lines(db, sqlite)?,
+                Dialect::Postgres => query_lines(db, postgres)?,
+            },
+            Check::Sums(find) => find(db)?,
         };
         for line in lines {
             report.failures.push(format!("invariant {name}: {line}"));
@@ -509,185 +609,205 @@ fn run_checks(conn: &Connection, report: &mut Report, stop: &dyn Fn() -> bool) -
     Ok(())
 }
 
+/// The error of a check that was told to stop.
+fn stopped() -> Error {
+    Error::Other("the check was stopped".into())
+}
+
 /// Invariant 1: per consumer and currency, the balances add up to 0.
-fn balances_sum_to_zero(conn: &Connection) -> Result<Vec<String>> {
+fn balances_sum_to_zero(db: &dyn Db) -> Result<Vec<String>> {
     let mut lines = Vec::new();
     let mut sums: BTreeMap<(i64, String), i128> = BTreeMap::new();
-    let mut stmt =
-        conn.prepare("SELECT consumer_id, currency, public_id, balance FROM accounts")?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        let sum = sums.entry((row.get(0)?, row.get(1)?)).or_default();
-        match money(row.get_ref(3)?) {
-            Ok(balance) => *sum += balance,
-            Err(shown) => lines.push(format!(
-                "account {} has a balance that is not an integer: {shown}",
-                row.get::<_, String>(2)?
-            )),
-        }
-    }
+    db.query_each(
+        "SELECT consumer_id, currency, public_id, balance FROM accounts",
+        params![],
+        &mut |row| {
+            let sum = sums.entry((row.get(0)?, row.get(1)?)).or_default();
+            match money(row.value(3)?) {
+                Ok(balance) => *sum += balance,
+                Err(shown) => lines.push(format!(
+                    "account {} has a balance that is not an integer: {shown}",
+                    row.get::<String>(2)?
+                )),
+            }
+            Ok(())
+        },
+    )?;
     lines.extend(sums.into_iter().filter(|(_, sum)| *sum != 0).map(
         |((consumer, currency), sum)| format!("consumer {consumer} {currency} sums to {sum}"),
     ));
     Ok(lines)
 }
 
-/// Invariant 2: every balance is the sum of its account's entries. A
-/// balance that is not an integer is invariant 1's finding.
-fn balances_equal_their_entries(conn: &Connection) -> Result<Vec<String>> {
-    let mut lines = Vec::new();
+/// The amounts of `sql`'s rows (`key, public_id, amount`) added up per key;
+/// an amount that is not an integer is a line `"{what} {public_id} has an
+/// amount that is not an integer: ..."` in `lines` instead.
+fn sums_by(
+    db: &dyn Db,
+    sql: &str,
+    what: &str,
+    lines: &mut Vec<String>,
+) -> Result<HashMap<i64, i128>> {
     let mut sums: HashMap<i64, i128> = HashMap::new();
-    let mut stmt = conn.prepare("SELECT account_id, public_id, amount FROM entries")?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        match money(row.get_ref(2)?) {
+    db.query_each(sql, params![], &mut |row| {
+        match money(row.value(2)?) {
             Ok(amount) => *sums.entry(row.get(0)?).or_default() += amount,
             Err(shown) => lines.push(format!(
-                "entry {} has an amount that is not an integer: {shown}",
-                row.get::<_, String>(1)?
+                "{what} {} has an amount that is not an integer: {shown}",
+                row.get::<String>(1)?
             )),
         }
-    }
-    let mut stmt = conn.prepare("SELECT id, public_id, balance FROM accounts ORDER BY id")?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        let entries = sums.get(&row.get(0)?).copied().unwrap_or(0);
-        if let Ok(balance) = money(row.get_ref(2)?) {
-            if balance != entries {
-                lines.push(format!(
-                    "account {} balance {balance} but entries sum to {entries}",
-                    row.get::<_, String>(1)?
-                ));
+        Ok(())
+    })?;
+    Ok(sums)
+}
+
+/// Invariant 2: every balance is the sum of its account's entries. A
+/// balance that is not an integer is invariant 1's finding.
+fn balances_equal_their_entries(db: &dyn Db) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let sums = sums_by(
+        db,
+        "SELECT account_id, public_id, amount FROM entries",
+        "entry",
+        &mut lines,
+    )?;
+    db.query_each(
+        "SELECT id, public_id, balance FROM accounts ORDER BY id",
+        params![],
+        &mut |row| {
+            let entries = sums.get(&row.get(0)?).copied().unwrap_or(0);
+            if let Ok(balance) = money(row.value(2)?) {
+                if balance != entries {
+                    lines.push(format!(
+                        "account {} balance {balance} but entries sum to {entries}",
+                        row.get::<String>(1)?
+                    ));
+                }
             }
-        }
-    }
+            Ok(())
+        },
+    )?;
     Ok(lines)
 }
 
 /// Invariant 3: a charge's `amount_refunded` is the sum of its refunds and
 /// at most its amount (invariant 7 bounds it by `amount_captured`).
-fn refunds_add_up(conn: &Connection) -> Result<Vec<String>> {
+fn refunds_add_up(db: &dyn Db) -> Result<Vec<String>> {
     let mut lines = Vec::new();
-    let mut sums: HashMap<i64, i128> = HashMap::new();
-    let mut stmt = conn.prepare("SELECT charge_id, public_id, amount FROM refunds")?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        match money(row.get_ref(2)?) {
-            Ok(amount) => *sums.entry(row.get(0)?).or_default() += amount,
-            Err(shown) => lines.push(format!(
-                "refund {} has an amount that is not an integer: {shown}",
-                row.get::<_, String>(1)?
-            )),
-        }
-    }
-    let mut stmt =
-        conn.prepare("SELECT id, public_id, amount, amount_refunded FROM charges ORDER BY id")?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        let public_id: String = row.get(1)?;
-        let (amount, refunded) = match (money(row.get_ref(2)?), money(row.get_ref(3)?)) {
-            (Ok(amount), Ok(refunded)) => (amount, refunded),
-            (amount, refunded) => {
-                let shown =
-                    |v: std::result::Result<i128, String>| v.map_or_else(|s| s, |n| n.to_string());
+    let sums = sums_by(
+        db,
+        "SELECT charge_id, public_id, amount FROM refunds",
+        "refund",
+        &mut lines,
+    )?;
+    db.query_each(
+        "SELECT id, public_id, amount, amount_refunded FROM charges ORDER BY id",
+        params![],
+        &mut |row| {
+            let public_id: String = row.get(1)?;
+            let (amount, refunded) = match (money(row.value(2)?), money(row.value(3)?)) {
+                (Ok(amount), Ok(refunded)) => (amount, refunded),
+                (amount, refunded) => {
+                    lines.push(format!(
+                        "charge {public_id} has an amount ({}) or amount_refunded ({}) that is \
+                         not an integer",
+                        shown(amount),
+                        shown(refunded)
+                    ));
+                    return Ok(());
+                }
+            };
+            let refunds = sums.get(&row.get(0)?).copied().unwrap_or(0);
+            if refunded > amount || refunded != refunds {
                 lines.push(format!(
-                    "charge {public_id} has an amount ({}) or amount_refunded ({}) that is \
-                     not an integer",
-                    shown(amount),
-                    shown(refunded)
+                    "charge {public_id} amount_refunded {refunded} but refunds sum to {refunds}"
                 ));
-                continue;
             }
-        };
-        let refunds = sums.get(&row.get(0)?).copied().unwrap_or(0);
-        if refunded > amount || refunded != refunds {
-            lines.push(format!(
-                "charge {public_id} amount_refunded {refunded} but refunds sum to {refunds}"
-            ));
-        }
-    }
+            Ok(())
+        },
+    )?;
     Ok(lines)
 }
 
 /// Invariant 6: every account's `held` is the sum of the amounts of the
 /// `requires_capture` charges it is the source of, and its `pending_credit`
 /// the sum of those it is the destination of.
-fn holds_add_up(conn: &Connection) -> Result<Vec<String>> {
+fn holds_add_up(db: &dyn Db) -> Result<Vec<String>> {
     let mut lines = Vec::new();
     let mut held: HashMap<i64, i128> = HashMap::new();
     let mut pending: HashMap<i64, i128> = HashMap::new();
-    let mut stmt = conn.prepare(
+    db.query_each(
         "SELECT source_id, destination_id, public_id, amount FROM charges \
          WHERE status = 'requires_capture'",
-    )?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        match money(row.get_ref(3)?) {
-            Ok(amount) => {
-                *held.entry(row.get(0)?).or_default() += amount;
-                *pending.entry(row.get(1)?).or_default() += amount;
+        params![],
+        &mut |row| {
+            match money(row.value(3)?) {
+                Ok(amount) => {
+                    *held.entry(row.get(0)?).or_default() += amount;
+                    *pending.entry(row.get(1)?).or_default() += amount;
+                }
+                Err(shown) => lines.push(format!(
+                    "charge {} has an amount that is not an integer: {shown}",
+                    row.get::<String>(2)?
+                )),
             }
-            Err(shown) => lines.push(format!(
-                "charge {} has an amount that is not an integer: {shown}",
-                row.get::<_, String>(2)?
-            )),
-        }
-    }
-    let mut stmt =
-        conn.prepare("SELECT id, public_id, held, pending_credit FROM accounts ORDER BY id")?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        let id: i64 = row.get(0)?;
-        let public_id: String = row.get(1)?;
-        let want = (
-            held.get(&id).copied().unwrap_or(0),
-            pending.get(&id).copied().unwrap_or(0),
-        );
-        match (money(row.get_ref(2)?), money(row.get_ref(3)?)) {
-            (Ok(h), Ok(p)) if (h, p) == want => {}
-            (h, p) => lines.push(format!(
-                "account {public_id} held {} and pending_credit {} but its holds sum to {} \
-                 and {}",
-                h.map_or_else(|s| s, |n| n.to_string()),
-                p.map_or_else(|s| s, |n| n.to_string()),
-                want.0,
-                want.1
-            )),
-        }
-    }
+            Ok(())
+        },
+    )?;
+    db.query_each(
+        "SELECT id, public_id, held, pending_credit FROM accounts ORDER BY id",
+        params![],
+        &mut |row| {
+            let id: i64 = row.get(0)?;
+            let public_id: String = row.get(1)?;
+            let want = (
+                held.get(&id).copied().unwrap_or(0),
+                pending.get(&id).copied().unwrap_or(0),
+            );
+            match (money(row.value(2)?), money(row.value(3)?)) {
+                (Ok(h), Ok(p)) if (h, p) == want => {}
+                (h, p) => lines.push(format!(
+                    "account {public_id} held {} and pending_credit {} but its holds sum to {} \
+                     and {}",
+                    shown(h),
+                    shown(p),
+                    want.0,
+                    want.1
+                )),
+            }
+            Ok(())
+        },
+    )?;
     Ok(lines)
 }
 
 /// Invariant 7 with disputes: a charge's `amount_disputed` is the sum of
 /// its disputes.
-fn disputes_add_up(conn: &Connection) -> Result<Vec<String>> {
+fn disputes_add_up(db: &dyn Db) -> Result<Vec<String>> {
     let mut lines = Vec::new();
-    let mut sums: HashMap<i64, i128> = HashMap::new();
-    let mut stmt = conn.prepare("SELECT charge_id, public_id, amount FROM disputes")?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        match money(row.get_ref(2)?) {
-            Ok(amount) => *sums.entry(row.get(0)?).or_default() += amount,
-            Err(shown) => lines.push(format!(
-                "dispute {} has an amount that is not an integer: {shown}",
-                row.get::<_, String>(1)?
-            )),
-        }
-    }
-    let mut stmt =
-        conn.prepare("SELECT id, public_id, amount_disputed FROM charges ORDER BY id")?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        let disputes = sums.get(&row.get(0)?).copied().unwrap_or(0);
-        match money(row.get_ref(2)?) {
-            Ok(disputed) if disputed == disputes => {}
-            disputed => lines.push(format!(
-                "charge {} amount_disputed {} but disputes sum to {disputes}",
-                row.get::<_, String>(1)?,
-                disputed.map_or_else(|s| s, |n| n.to_string())
-            )),
-        }
-    }
+    let sums = sums_by(
+        db,
+        "SELECT charge_id, public_id, amount FROM disputes",
+        "dispute",
+        &mut lines,
+    )?;
+    db.query_each(
+        "SELECT id, public_id, amount_disputed FROM charges ORDER BY id",
+        params![],
+        &mut |row| {
+            let disputes = sums.get(&row.get(0)?).copied().unwrap_or(0);
+            match money(row.value(2)?) {
+                Ok(disputed) if disputed == disputes => {}
+                disputed => lines.push(format!(
+                    "charge {} amount_disputed {} but disputes sum to {disputes}",
+                    row.get::<String>(1)?,
+                    shown(disputed)
+                )),
+            }
+            Ok(())
+        },
+    )?;
     Ok(lines)
 }
 
@@ -696,63 +816,60 @@ fn disputes_add_up(conn: &Connection) -> Result<Vec<String>> {
 /// them checks `available` first — so its balance, less its holds, plus
 /// what disputes debited from it (the network forces those) is never
 /// negative.
-fn available_but_for_disputes(conn: &Connection) -> Result<Vec<String>> {
+fn available_but_for_disputes(db: &dyn Db) -> Result<Vec<String>> {
     let mut lines = Vec::new();
     let mut forced: HashMap<i64, i128> = HashMap::new();
-    let mut stmt = conn.prepare(
+    db.query_each(
         "SELECT account_id, amount FROM entries WHERE dispute_id IS NOT NULL AND amount < 0",
-    )?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        if let Ok(amount) = money(row.get_ref(1)?) {
-            *forced.entry(row.get(0)?).or_default() -= amount;
-        }
-    }
-    let mut stmt = conn.prepare(
-        "SELECT id, public_id, balance, held FROM accounts WHERE allow_negative = 0 ORDER BY id",
-    )?;
-    let mut rows = stmt.query([])?;
-    while let Some(row) = rows.next()? {
-        let taken = forced.get(&row.get(0)?).copied().unwrap_or(0);
-        if let (Ok(balance), Ok(held)) = (money(row.get_ref(2)?), money(row.get_ref(3)?)) {
-            if balance - held + taken < 0 {
-                lines.push(format!(
-                    "account {} has balance {balance} and holds {held}, and disputes took \
-                     only {taken}",
-                    row.get::<_, String>(1)?
-                ));
+        params![],
+        &mut |row| {
+            if let Ok(amount) = money(row.value(1)?) {
+                *forced.entry(row.get(0)?).or_default() -= amount;
             }
-        }
-    }
+            Ok(())
+        },
+    )?;
+    db.query_each(
+        "SELECT id, public_id, balance, held FROM accounts WHERE allow_negative = 0 ORDER BY id",
+        params![],
+        &mut |row| {
+            let taken = forced.get(&row.get(0)?).copied().unwrap_or(0);
+            if let (Ok(balance), Ok(held)) = (money(row.value(2)?), money(row.value(3)?)) {
+                if balance - held + taken < 0 {
+                    lines.push(format!(
+                        "account {} has balance {balance} and holds {held}, and disputes took \
+                         only {taken}",
+                        row.get::<String>(1)?
+                    ));
+                }
+            }
+            Ok(())
+        },
+    )?;
     Ok(lines)
 }
 
 /// An amount of money as stored: an integer, widened so that any number of
-/// them add up exactly; anything else (a float or text written by hand) is
-/// shown as found.
-fn money(value: ValueRef<'_>) -> std::result::Result<i128, String> {
+/// them add up exactly; anything else (on SQLite, a float or text written
+/// by hand) is shown as found.
+fn money(value: Value<'_>) -> std::result::Result<i128, String> {
     match value {
-        ValueRef::Integer(n) => Ok(i128::from(n)),
-        ValueRef::Real(x) => Err(x.to_string()),
-        ValueRef::Text(t) => Err(format!("'{}'", String::from_utf8_lossy(t))),
-        ValueRef::Blob(b) => Err(format!("a blob of {} bytes", b.len())),
-        ValueRef::Null => Err("NULL".into()),
+        Value::Int(n) => Ok(i128::from(n)),
+        Value::Real(x) => Err(x.to_string()),
+        Value::Text(t) => Err(format!("'{t}'")),
+        Value::Blob(b) => Err(format!("a blob of {} bytes", b.len())),
+        Value::Null => Err("NULL".into()),
     }
 }
 
-fn is_damage(e: &rusqlite::Error) -> bool {
-    matches!(
-        e.sqlite_error_code(),
-        Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase)
-    )
+/// A [`money`] result as a report shows it.
+fn shown(v: std::result::Result<i128, String>) -> String {
+    v.map_or_else(|s| s, |n| n.to_string())
 }
 
-fn query_lines(conn: &Connection, sql: &str) -> Result<Vec<String>> {
-    let mut stmt = conn.prepare(sql)?;
-    let lines = stmt
-        .query_map([], |r| r.get::<_, String>(0))?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
-    Ok(lines)
+/// The first column of every row of an invariant's query, as text.
+fn query_lines(db: &dyn Db, sql: &str) -> Result<Vec<String>> {
+    db.query_all(sql, params![], |r: &dyn Row| r.get::<String>(0))
 }
 
 #[cfg(test)]
@@ -935,6 +1052,22 @@ mod tests {
                  account out balance 9223372036854775806 but entries sum to 9223372036854775807",
             ]
         );
+    }
+
+    #[test]
+    fn the_invariants_alone_run_through_the_storage_interface() {
+        // What a PostgreSQL path calls after its own schema check: the same
+        // findings as `verify`, with none of SQLite's file checks.
+        let ledger = edge_ledger();
+        ledger.set_balance("out", MAX - 1);
+        let db: &dyn crate::store::Db = &ledger.conn;
+        let mut report = super::Report::default();
+        ledger.conn.execute_batch("BEGIN").unwrap();
+        super::check_invariants(db, &mut report, &|| false).unwrap();
+        ledger.conn.execute_batch("COMMIT").unwrap();
+        assert_eq!(report.failures, ledger.failures());
+        assert_eq!(report.failures.len(), 2, "{:#?}", report.failures);
+        assert_eq!(report.invariants_skipped_at, None);
     }
 
     #[test]
