@@ -166,7 +166,7 @@ pub fn list(
         |r| {
             // Stored as a BLOB of the bytes `record` rendered.
             let invalid = |e: Box<dyn std::error::Error + Send + Sync>| {
-                rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Blob, e)
+                crate::error::Error::Storage(format!("column 0 is not an event body: {e}"))
             };
             let body = String::from_utf8(r.get(0)?).map_err(|e| invalid(e.into()))?;
             RawValue::from_string(body).map_err(|e| invalid(e.into()))

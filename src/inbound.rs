@@ -117,7 +117,7 @@ pub fn create_source(
     })
 }
 
-fn row_to_source(r: &rusqlite::Row<'_>) -> rusqlite::Result<SourceObject> {
+fn row_to_source(r: &dyn crate::store::Row) -> Result<SourceObject> {
     Ok(SourceObject {
         id: r.get(0)?,
         object: "notification_source",
@@ -133,13 +133,13 @@ pub fn get_source(
     consumer_id: i64,
     public_id: &str,
 ) -> Result<Option<SourceObject>> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT public_id, name, created_at FROM notification_sources \
-             WHERE consumer_id = ?1 AND public_id = ?2",
-        )?
-        .query_row(params![consumer_id, public_id], row_to_source)
-        .optional()?)
+    let db: &dyn crate::store::Db = conn;
+    db.query_opt(
+        "SELECT public_id, name, created_at FROM notification_sources \
+         WHERE consumer_id = ?1 AND public_id = ?2",
+        crate::store::params![consumer_id, public_id],
+        row_to_source,
+    )
 }
 
 /// A page of the consumer's sources, newest first, without secrets.

@@ -281,7 +281,7 @@ pub fn evict(
                 info.op_id
             )));
         }
-        released_charge = ledger::release_claim(&tx, &info.op_id)?;
+        released_charge = ledger::release_claim(&*tx, &info.op_id)?;
     }
     tx.execute(
         "DELETE FROM idempotency_keys WHERE consumer_id = ?1 AND method = 'POST' \

@@ -54,7 +54,7 @@ pub enum CreateOutcome {
     LimitReached,
 }
 
-fn endpoint_object(r: &rusqlite::Row<'_>) -> rusqlite::Result<EndpointObject> {
+fn endpoint_object(r: &dyn crate::store::Row) -> Result<EndpointObject> {
     let events: String = r.get(2)?;
     Ok(EndpointObject {
         id: r.get(0)?,
@@ -119,13 +119,15 @@ pub fn create(
 
 /// The live endpoint `public_id` of this consumer, without its secret.
 pub fn get(conn: &Connection, consumer_id: i64, public_id: &str) -> Result<Option<EndpointObject>> {
-    Ok(conn
-        .prepare_cached(&format!(
+    let db: &dyn crate::store::Db = conn;
+    db.query_opt(
+        &format!(
             "SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints \
              WHERE consumer_id = ?1 AND public_id = ?2 AND deleted_at IS NULL"
-        ))?
-        .query_row(params![consumer_id, public_id], endpoint_object)
-        .optional()?)
+        ),
+        crate::store::params![consumer_id, public_id],
+        endpoint_object,
+    )
 }
 
 /// A page of the consumer's live endpoints, newest first. A cursor may name
