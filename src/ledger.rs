@@ -6,7 +6,12 @@
 //! the stored answer commit together or not at all. This module knows nothing
 //! about HTTP or idempotency keys; it records which operation produced what.
 
-use rusqlite::{params, Connection, OptionalExtension, Row};
+// Only for the five write functions that call into events and inbound
+// (`create_account`, `apply_charge`, `apply_capture`, `apply_cancel`,
+// `apply_refund`): `events::record`, `inbound::settle_unmatched` and
+// `inbound::release_unmatched` still take a `&Connection`, which a `&dyn Db`
+// cannot become. Once they take `&dyn Db`, so do these, and this goes.
+use rusqlite::Connection;
 use serde_json::Value;
 
 use crate::error::Result;
@@ -18,6 +23,7 @@ use crate::model::{
     AccountObject, AccountRequest, ChargeObject, ChargeRequest, EntryObject, ListObject, Page,
     RefundObject, RefundRequest,
 };
+use crate::store::{params, Db, Row};
 use crate::time::rfc3339;
 
 /// Which reservation produced a charge or refund (kept forever, unlike the
@@ -108,7 +114,7 @@ enum Shortfall {
 const ACCOUNT_COLUMNS: &str =
     "id, public_id, currency, allow_negative, metadata, balance, created_at, held, pending_credit";
 
-fn row_to_account(r: &Row<'_>) -> rusqlite::Result<AccountRow> {
+fn row_to_account(r: &dyn Row) -> Result<AccountRow> {
     Ok(AccountRow {
         id: r.get(0)?,
         public_id: r.get(1)?,
@@ -122,17 +128,10 @@ fn row_to_account(r: &Row<'_>) -> rusqlite::Result<AccountRow> {
     })
 }
 
-pub fn find_account(
-    conn: &Connection,
-    consumer_id: i64,
-    public_id: &str,
-) -> Result<Option<AccountRow>> {
+pub fn find_account(db: &dyn Db, consumer_id: i64, public_id: &str) -> Result<Option<AccountRow>> {
     let sql =
         format!("SELECT {ACCOUNT_COLUMNS} FROM accounts WHERE consumer_id = ?1 AND public_id = ?2");
-    Ok(conn
-        .prepare_cached(&sql)?
-        .query_row(params![consumer_id, public_id], row_to_account)
-        .optional()?)
+    db.query_opt(&sql, params![consumer_id, public_id], row_to_account)
 }
 
 #[derive(Debug)]
@@ -150,8 +149,9 @@ pub fn create_account(
     req: &AccountRequest,
     now_ms: i64,
 ) -> Result<AccountOutcome> {
+    let db: &dyn Db = tx;
     if let Some(id) = &req.id {
-        if let Some(existing) = find_account(tx, consumer_id, id)? {
+        if let Some(existing) = find_account(db, consumer_id, id)? {
             return Ok(if existing.same_fields(req) {
                 AccountOutcome::Existing(existing.object())
             } else {
@@ -170,18 +170,18 @@ pub fn create_account(
         held: 0,
         pending_credit: 0,
     };
-    tx.prepare_cached(
+    db.execute(
         "INSERT INTO accounts (consumer_id, public_id, currency, allow_negative, metadata, \
          balance, created_at) VALUES (?1, ?2, ?3, ?4, ?5, 0, ?6)",
-    )?
-    .execute(params![
-        consumer_id,
-        row.public_id,
-        row.currency,
-        row.allow_negative,
-        row.metadata,
-        now_ms
-    ])?;
+        params![
+            consumer_id,
+            row.public_id,
+            row.currency,
+            row.allow_negative,
+            row.metadata,
+            now_ms
+        ],
+    )?;
     let object = row.object();
     events::record(
         tx,
@@ -245,9 +245,9 @@ fn reason_str(s: Option<String>) -> Option<&'static str> {
     })
 }
 
-fn row_to_charge(r: &Row<'_>) -> rusqlite::Result<ChargeRow> {
+fn row_to_charge(r: &dyn Row) -> Result<ChargeRow> {
     let metadata: String = r.get(9)?;
-    let status = status_str(&r.get::<_, String>(12)?);
+    let status = status_str(&r.get::<String>(12)?);
     let amount: i64 = r.get(2)?;
     let expires_at_ms: Option<i64> = r.get(16)?;
     Ok(ChargeRow {
@@ -273,7 +273,7 @@ fn row_to_charge(r: &Row<'_>) -> rusqlite::Result<ChargeRow> {
             description: r.get(8)?,
             metadata: json::from_slice(metadata.as_bytes()).unwrap_or(Value::Null),
             expires_at: expires_at_ms.map(rfc3339),
-            canceled_at: r.get::<_, Option<i64>>(17)?.map(rfc3339),
+            canceled_at: r.get::<Option<i64>>(17)?.map(rfc3339),
             cancellation_reason: reason_str(r.get(18)?),
             created_at: rfc3339(r.get(10)?),
         },
@@ -285,32 +285,18 @@ fn row_to_charge(r: &Row<'_>) -> rusqlite::Result<ChargeRow> {
     })
 }
 
-fn find_charge(conn: &Connection, consumer_id: i64, public_id: &str) -> Result<Option<ChargeRow>> {
+fn find_charge(db: &dyn Db, consumer_id: i64, public_id: &str) -> Result<Option<ChargeRow>> {
     let sql = format!("{CHARGE_SELECT} WHERE c.consumer_id = ?1 AND c.public_id = ?2");
-    Ok(conn
-        .prepare_cached(&sql)?
-        .query_row(params![consumer_id, public_id], row_to_charge)
-        .optional()?)
+    db.query_opt(&sql, params![consumer_id, public_id], row_to_charge)
 }
 
-fn find_by_reference(
-    conn: &Connection,
-    consumer_id: i64,
-    reference: &str,
-) -> Result<Option<ChargeRow>> {
+fn find_by_reference(db: &dyn Db, consumer_id: i64, reference: &str) -> Result<Option<ChargeRow>> {
     let sql = format!("{CHARGE_SELECT} WHERE c.consumer_id = ?1 AND c.reference = ?2");
-    Ok(conn
-        .prepare_cached(&sql)?
-        .query_row(params![consumer_id, reference], row_to_charge)
-        .optional()?)
+    db.query_opt(&sql, params![consumer_id, reference], row_to_charge)
 }
 
-pub fn get_charge(
-    conn: &Connection,
-    consumer_id: i64,
-    public_id: &str,
-) -> Result<Option<ChargeObject>> {
-    Ok(find_charge(conn, consumer_id, public_id)?.map(|c| c.object))
+pub fn get_charge(db: &dyn Db, consumer_id: i64, public_id: &str) -> Result<Option<ChargeObject>> {
+    Ok(find_charge(db, consumer_id, public_id)?.map(|c| c.object))
 }
 
 /// The rules a charge must pass, checked before the acquirer is called (on a
@@ -318,13 +304,13 @@ pub fn get_charge(
 /// ahead; otherwise the final outcome, and the accounts when it is a go.
 /// A hold is checked like a charge: the money may leave when it is captured.
 fn check_charge(
-    conn: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     req: &ChargeRequest,
     fp: &Fingerprint,
 ) -> Result<Result<(AccountRow, AccountRow), ChargeOutcome>> {
     if let Some(reference) = &req.reference {
-        if let Some(existing) = find_by_reference(conn, consumer_id, reference)? {
+        if let Some(existing) = find_by_reference(db, consumer_id, reference)? {
             return Ok(Err(if existing.fingerprint.as_slice() == fp.as_slice() {
                 ChargeOutcome::ReferenceReplay(existing.object)
             } else {
@@ -332,8 +318,8 @@ fn check_charge(
             }));
         }
     }
-    let source = find_account(conn, consumer_id, &req.source)?;
-    let destination = find_account(conn, consumer_id, &req.destination)?;
+    let source = find_account(db, consumer_id, &req.source)?;
+    let destination = find_account(db, consumer_id, &req.destination)?;
     let (Some(source), Some(destination)) = (source, destination) else {
         return Ok(Err(ChargeOutcome::AccountNotFound));
     };
@@ -355,12 +341,12 @@ fn check_charge(
 /// without the acquirer (reference replay or mismatch, missing account,
 /// currency mismatch, insufficient funds). `None`: call the acquirer.
 pub fn precheck_charge(
-    conn: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     req: &ChargeRequest,
     fp: &Fingerprint,
 ) -> Result<Option<ChargeOutcome>> {
-    Ok(check_charge(conn, consumer_id, req, fp)?.err())
+    Ok(check_charge(db, consumer_id, req, fp)?.err())
 }
 
 /// The ledger phase of a charge, after checking every rule again: captured
@@ -377,7 +363,8 @@ pub fn apply_charge(
     now_ms: i64,
     expires_at_ms: i64,
 ) -> Result<ChargeOutcome> {
-    let (source, destination) = match check_charge(tx, consumer_id, req, fp)? {
+    let db: &dyn Db = tx;
+    let (source, destination) = match check_charge(db, consumer_id, req, fp)? {
         Ok(accounts) => accounts,
         Err(outcome) => return Ok(outcome),
     };
@@ -388,37 +375,37 @@ pub fn apply_charge(
     } else {
         ("requires_capture", 0, Some(expires_at_ms))
     };
-    tx.prepare_cached(
+    let charge_id = db.query_value::<i64>(
         "INSERT INTO charges (consumer_id, public_id, amount, currency, source_id, destination_id, \
          reference, description, metadata, fingerprint, op_id, idempotency_key, authorization_id, \
          created_at, status, amount_captured, expires_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
-    )?
-    .execute(params![
-        consumer_id,
-        public_id,
-        req.amount,
-        req.currency.as_str(),
-        source.id,
-        destination.id,
-        req.reference,
-        req.description,
-        metadata,
-        fp.as_slice(),
-        origin.op_id,
-        origin.key,
-        authorization_id,
-        now_ms,
-        status,
-        captured,
-        expires_at,
-    ])?;
-    let charge_id = tx.last_insert_rowid();
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17) \
+         RETURNING id",
+        params![
+            consumer_id,
+            public_id,
+            req.amount,
+            req.currency.as_str(),
+            source.id,
+            destination.id,
+            req.reference,
+            req.description,
+            metadata,
+            fp.as_slice(),
+            origin.op_id,
+            origin.key,
+            authorization_id,
+            now_ms,
+            status,
+            captured,
+            expires_at,
+        ],
+    )?;
     if req.capture {
-        post_entry(tx, source.id, -req.amount, charge_id, None, now_ms)?;
-        post_entry(tx, destination.id, req.amount, charge_id, None, now_ms)?;
+        post_entry(db, source.id, -req.amount, charge_id, None, now_ms)?;
+        post_entry(db, destination.id, req.amount, charge_id, None, now_ms)?;
     } else {
-        hold(tx, source.id, destination.id, req.amount)?;
+        hold(db, source.id, destination.id, req.amount)?;
     }
     let object = ChargeObject {
         id: public_id,
@@ -456,11 +443,15 @@ pub fn apply_charge(
 
 /// Places (positive `amount`) or releases (negative) a hold: the source's
 /// `held` and the destination's `pending_credit` move together.
-fn hold(tx: &Connection, source_id: i64, destination_id: i64, amount: i64) -> Result<()> {
-    tx.prepare_cached("UPDATE accounts SET held = held + ?2 WHERE id = ?1")?
-        .execute(params![source_id, amount])?;
-    tx.prepare_cached("UPDATE accounts SET pending_credit = pending_credit + ?2 WHERE id = ?1")?
-        .execute(params![destination_id, amount])?;
+fn hold(db: &dyn Db, source_id: i64, destination_id: i64, amount: i64) -> Result<()> {
+    db.execute(
+        "UPDATE accounts SET held = held + ?2 WHERE id = ?1",
+        params![source_id, amount],
+    )?;
+    db.execute(
+        "UPDATE accounts SET pending_credit = pending_credit + ?2 WHERE id = ?1",
+        params![destination_id, amount],
+    )?;
     Ok(())
 }
 
@@ -495,14 +486,14 @@ pub enum ClaimOutcome {
 /// the first to reserve wins and the other is told 409 before it calls the
 /// acquirer.
 pub fn claim_charge(
-    tx: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     charge: &str,
     claim: Claim,
     claimer: &str,
     now_ms: i64,
 ) -> Result<ClaimOutcome> {
-    let Some(row) = find_charge(tx, consumer_id, charge)? else {
+    let Some(row) = find_charge(db, consumer_id, charge)? else {
         return Ok(ClaimOutcome::NotFound);
     };
     if row.object.status != "requires_capture" {
@@ -534,8 +525,10 @@ pub fn claim_charge(
             return Ok(ClaimOutcome::ExceedsAuthorization);
         }
     }
-    tx.prepare_cached("UPDATE charges SET claimed_by = ?2 WHERE id = ?1")?
-        .execute(params![row.id, claimer])?;
+    db.execute(
+        "UPDATE charges SET claimed_by = ?2 WHERE id = ?1",
+        params![row.id, claimer],
+    )?;
     Ok(ClaimOutcome::Claimed)
 }
 
@@ -545,25 +538,24 @@ pub fn claim_charge(
 /// evict` of an orphaned capture or cancel at recovery point `reserved`),
 /// inside the transaction that deletes its key.
 #[cfg(any(feature = "cli", feature = "internals"))]
-pub fn release_claim(tx: &Connection, claimer: &str) -> Result<Option<String>> {
-    Ok(tx
-        .prepare_cached(
-            "UPDATE charges SET claimed_by = NULL WHERE claimed_by = ?1 \
-             AND status = 'requires_capture' RETURNING public_id",
-        )?
-        .query_row([claimer], |r| r.get(0))
-        .optional()?)
+pub fn release_claim(db: &dyn Db, claimer: &str) -> Result<Option<String>> {
+    db.query_opt(
+        "UPDATE charges SET claimed_by = NULL WHERE claimed_by = ?1 \
+         AND status = 'requires_capture' RETURNING public_id",
+        params![claimer],
+        |r| r.get(0),
+    )
 }
 
 /// The authorization and the amount to capture of the charge `claimer`
 /// claimed (for an owner that resumes a capture or a cancel).
 pub fn claimed_charge(
-    conn: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     charge: &str,
     claim: Claim,
 ) -> Result<Option<(String, i64)>> {
-    Ok(find_charge(conn, consumer_id, charge)?.map(|row| {
+    Ok(find_charge(db, consumer_id, charge)?.map(|row| {
         let amount = match claim {
             Claim::Capture(amount) => amount.unwrap_or(row.object.amount),
             Claim::Cancel => row.object.amount,
@@ -577,12 +569,12 @@ pub fn claimed_charge(
 /// held and claimed by the caller (a bug, or a database edited by hand)
 /// refuses the ledger phase.
 fn release_claimed(
-    tx: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     charge: &str,
     claimer: &str,
 ) -> Result<ChargeRow> {
-    let row = find_charge(tx, consumer_id, charge)?
+    let row = find_charge(db, consumer_id, charge)?
         .filter(|r| {
             r.object.status == "requires_capture" && r.claimed_by.as_deref() == Some(claimer)
         })
@@ -591,7 +583,7 @@ fn release_claimed(
                 "charge {charge} is not held and claimed by {claimer}"
             ))
         })?;
-    hold(tx, row.source_id, row.destination_id, -row.object.amount)?;
+    hold(db, row.source_id, row.destination_id, -row.object.amount)?;
     Ok(row)
 }
 
@@ -607,15 +599,16 @@ pub fn apply_capture(
     amount: i64,
     now_ms: i64,
 ) -> Result<ChargeObject> {
-    let row = release_claimed(tx, consumer_id, charge, claimer)?;
-    post_entry(tx, row.source_id, -amount, row.id, None, now_ms)?;
-    post_entry(tx, row.destination_id, amount, row.id, None, now_ms)?;
-    tx.prepare_cached(
+    let db: &dyn Db = tx;
+    let row = release_claimed(db, consumer_id, charge, claimer)?;
+    post_entry(db, row.source_id, -amount, row.id, None, now_ms)?;
+    post_entry(db, row.destination_id, amount, row.id, None, now_ms)?;
+    db.execute(
         "UPDATE charges SET status = 'succeeded', amount_captured = ?2, expires_at = NULL, \
          claimed_by = NULL, captured_at = ?3 WHERE id = ?1",
-    )?
-    .execute(params![row.id, amount, now_ms])?;
-    let object = find_charge(tx, consumer_id, charge)?
+        params![row.id, amount, now_ms],
+    )?;
+    let object = find_charge(db, consumer_id, charge)?
         .expect("the charge was just updated")
         .object;
     events::record(
@@ -650,17 +643,18 @@ pub fn apply_cancel(
     reason: CancellationReason,
     now_ms: i64,
 ) -> Result<ChargeObject> {
-    let row = release_claimed(tx, consumer_id, charge, claimer)?;
+    let db: &dyn Db = tx;
+    let row = release_claimed(db, consumer_id, charge, claimer)?;
     let reason = match reason {
         CancellationReason::Requested => "requested",
         CancellationReason::Expired => "expired",
     };
-    tx.prepare_cached(
+    db.execute(
         "UPDATE charges SET status = 'canceled', canceled_at = ?2, cancellation_reason = ?3, \
          expires_at = NULL, claimed_by = NULL WHERE id = ?1",
-    )?
-    .execute(params![row.id, now_ms, reason])?;
-    let object = find_charge(tx, consumer_id, charge)?
+        params![row.id, now_ms, reason],
+    )?;
+    let object = find_charge(db, consumer_id, charge)?
         .expect("the charge was just updated")
         .object;
     events::record(
@@ -693,67 +687,61 @@ pub struct ExpiredHold {
 }
 
 /// Up to `limit` holds whose expiry is at or before `now_ms`, oldest first.
-pub fn expired_holds(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<ExpiredHold>> {
-    let mut stmt = conn.prepare_cached(
+pub fn expired_holds(db: &dyn Db, now_ms: i64, limit: usize) -> Result<Vec<ExpiredHold>> {
+    // `expires_at <= ?1` leaves out NULLs, so their order does not matter.
+    db.query_all(
         "SELECT consumer_id, public_id, authorization_id FROM charges \
          WHERE status = 'requires_capture' AND expires_at <= ?1 \
          AND (claimed_by IS NULL OR claimed_by = ?2) ORDER BY expires_at LIMIT ?3",
-    )?;
-    let holds = stmt
-        .query_map(params![now_ms, EXPIRY_CLAIMER, limit as i64], |r| {
+        params![now_ms, EXPIRY_CLAIMER, limit as i64],
+        |r| {
             Ok(ExpiredHold {
                 consumer_id: r.get(0)?,
                 charge: r.get(1)?,
                 authorization: r.get(2)?,
             })
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
-    Ok(holds)
+        },
+    )
 }
 
 /// Claims an expired hold for the reaper; false if a capture or cancel
 /// claimed it first, or it is no longer held.
-pub fn claim_expired(tx: &Connection, hold: &ExpiredHold, now_ms: i64) -> Result<bool> {
-    let n = tx
-        .prepare_cached(
-            "UPDATE charges SET claimed_by = ?3 WHERE consumer_id = ?1 AND public_id = ?2 \
-             AND status = 'requires_capture' AND expires_at <= ?4 \
-             AND (claimed_by IS NULL OR claimed_by = ?3)",
-        )?
-        .execute(params![
-            hold.consumer_id,
-            hold.charge,
-            EXPIRY_CLAIMER,
-            now_ms
-        ])?;
+pub fn claim_expired(db: &dyn Db, hold: &ExpiredHold, now_ms: i64) -> Result<bool> {
+    let n = db.execute(
+        "UPDATE charges SET claimed_by = ?3 WHERE consumer_id = ?1 AND public_id = ?2 \
+         AND status = 'requires_capture' AND expires_at <= ?4 \
+         AND (claimed_by IS NULL OR claimed_by = ?3)",
+        params![hold.consumer_id, hold.charge, EXPIRY_CLAIMER, now_ms],
+    )?;
     Ok(n == 1)
 }
 
 /// Writes one entry and moves the account's balance by `amount`. The caller
 /// has checked that the balance stays in range.
 fn post_entry(
-    tx: &Connection,
+    db: &dyn Db,
     account_id: i64,
     amount: i64,
     charge_id: i64,
     refund_id: Option<i64>,
     now_ms: i64,
 ) -> Result<()> {
-    tx.prepare_cached(
+    db.execute(
         "INSERT INTO entries (public_id, account_id, amount, charge_id, refund_id, created_at) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-    )?
-    .execute(params![
-        ids::new_id(ids::ENTRY),
-        account_id,
-        amount,
-        charge_id,
-        refund_id,
-        now_ms
-    ])?;
-    let n = tx
-        .prepare_cached("UPDATE accounts SET balance = balance + ?2 WHERE id = ?1")?
-        .execute(params![account_id, amount])?;
+        params![
+            ids::new_id(ids::ENTRY),
+            account_id,
+            amount,
+            charge_id,
+            refund_id,
+            now_ms
+        ],
+    )?;
+    let n = db.execute(
+        "UPDATE accounts SET balance = balance + ?2 WHERE id = ?1",
+        params![account_id, amount],
+    )?;
     assert_eq!(n, 1, "entry for a missing account {account_id}");
     Ok(())
 }
@@ -783,7 +771,8 @@ pub fn apply_refund(
     origin: &Origin<'_>,
     now_ms: i64,
 ) -> Result<RefundOutcome> {
-    let Some(charge) = find_charge(tx, consumer_id, &req.charge)? else {
+    let db: &dyn Db = tx;
+    let Some(charge) = find_charge(db, consumer_id, &req.charge)? else {
         return Ok(RefundOutcome::ChargeNotFound);
     };
     if charge.object.status != "succeeded" {
@@ -797,9 +786,9 @@ pub fn apply_refund(
     if amount <= 0 || amount > left {
         return Ok(RefundOutcome::ExceedsCharge);
     }
-    let source = find_account(tx, consumer_id, &charge.object.source)?.expect("charge source");
+    let source = find_account(db, consumer_id, &charge.object.source)?.expect("charge source");
     let destination =
-        find_account(tx, consumer_id, &charge.object.destination)?.expect("charge destination");
+        find_account(db, consumer_id, &charge.object.destination)?.expect("charge destination");
     match destination
         .can_debit(amount)
         .and_then(|()| source.can_credit(amount))
@@ -809,31 +798,32 @@ pub fn apply_refund(
         Err(Shortfall::Overflow) => return Ok(RefundOutcome::BalanceOverflow),
     }
     let public_id = ids::new_id(ids::REFUND);
-    tx.prepare_cached(
+    let refund_id = db.query_value::<i64>(
         "INSERT INTO refunds (consumer_id, public_id, charge_id, amount, op_id, idempotency_key, \
-         created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-    )?
-    .execute(params![
-        consumer_id,
-        public_id,
-        charge.id,
-        amount,
-        origin.op_id,
-        origin.key,
-        now_ms
-    ])?;
-    let refund_id = tx.last_insert_rowid();
-    tx.prepare_cached("UPDATE charges SET amount_refunded = amount_refunded + ?2 WHERE id = ?1")?
-        .execute(params![charge.id, amount])?;
+         created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) RETURNING id",
+        params![
+            consumer_id,
+            public_id,
+            charge.id,
+            amount,
+            origin.op_id,
+            origin.key,
+            now_ms
+        ],
+    )?;
+    db.execute(
+        "UPDATE charges SET amount_refunded = amount_refunded + ?2 WHERE id = ?1",
+        params![charge.id, amount],
+    )?;
     post_entry(
-        tx,
+        db,
         destination.id,
         -amount,
         charge.id,
         Some(refund_id),
         now_ms,
     )?;
-    post_entry(tx, source.id, amount, charge.id, Some(refund_id), now_ms)?;
+    post_entry(db, source.id, amount, charge.id, Some(refund_id), now_ms)?;
     let object = RefundObject {
         id: public_id,
         object: "refund",
@@ -854,13 +844,13 @@ pub fn apply_refund(
 
 /// The charge's authorization and the amount of the refund that the
 /// operation `op_id` applied (for an owner that resumes its acquirer call).
-pub fn applied_refund(conn: &Connection, op_id: &str) -> Result<Option<(String, i64)>> {
-    Ok(conn
-        .prepare_cached(
-            "SELECT c.authorization_id, r.amount FROM refunds r              JOIN charges c ON c.id = r.charge_id WHERE r.op_id = ?1",
-        )?
-        .query_row([op_id], |r| Ok((r.get(0)?, r.get(1)?)))
-        .optional()?)
+pub fn applied_refund(db: &dyn Db, op_id: &str) -> Result<Option<(String, i64)>> {
+    db.query_opt(
+        "SELECT c.authorization_id, r.amount FROM refunds r \
+         JOIN charges c ON c.id = r.charge_id WHERE r.op_id = ?1",
+        params![op_id],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )
 }
 
 // ---------------------------------------------------------------------------
@@ -874,28 +864,21 @@ pub struct UnknownCursor;
 /// `starting_after` to the internal id (or nothing); `page_sql` takes the
 /// scope parameter, an exclusive upper bound on the internal id, and a limit.
 pub(crate) fn page<T>(
-    conn: &Connection,
+    db: &dyn Db,
     scope: i64,
     page: &Page,
     cursor_sql: &str,
     page_sql: &str,
-    map: impl Fn(&Row<'_>) -> rusqlite::Result<T>,
+    map: impl Fn(&dyn Row) -> Result<T>,
 ) -> Result<Result<ListObject<T>, UnknownCursor>> {
     let before = match &page.starting_after {
         None => i64::MAX,
-        Some(cursor) => match conn
-            .prepare_cached(cursor_sql)?
-            .query_row(params![scope, cursor], |r| r.get(0))
-            .optional()?
-        {
+        Some(cursor) => match db.query_opt(cursor_sql, params![scope, cursor], |r| r.get(0))? {
             Some(id) => id,
             None => return Ok(Err(UnknownCursor)),
         },
     };
-    let mut stmt = conn.prepare_cached(page_sql)?;
-    let mut data = stmt
-        .query_map(params![scope, before, page.limit as i64 + 1], map)?
-        .collect::<rusqlite::Result<Vec<T>>>()?;
+    let mut data = db.query_all(page_sql, params![scope, before, page.limit as i64 + 1], map)?;
     let has_more = data.len() > page.limit;
     data.truncate(page.limit);
     Ok(Ok(ListObject {
@@ -906,7 +889,7 @@ pub(crate) fn page<T>(
 }
 
 pub fn list_charges(
-    conn: &Connection,
+    db: &dyn Db,
     consumer_id: i64,
     p: &Page,
 ) -> Result<Result<ListObject<ChargeObject>, UnknownCursor>> {
@@ -914,7 +897,7 @@ pub fn list_charges(
         "{CHARGE_SELECT} WHERE c.consumer_id = ?1 AND c.id < ?2 ORDER BY c.id DESC LIMIT ?3"
     );
     page(
-        conn,
+        db,
         consumer_id,
         p,
         "SELECT id FROM charges WHERE consumer_id = ?1 AND public_id = ?2",
@@ -924,12 +907,12 @@ pub fn list_charges(
 }
 
 pub fn list_entries(
-    conn: &Connection,
+    db: &dyn Db,
     account: &AccountRow,
     p: &Page,
 ) -> Result<Result<ListObject<EntryObject>, UnknownCursor>> {
     page(
-        conn,
+        db,
         account.id,
         p,
         "SELECT id FROM entries WHERE account_id = ?1 AND public_id = ?2",
