@@ -1017,7 +1017,7 @@ impl App {
                 let (stored, existing) = charge_response(outcome);
                 return Err(self
                     .ledger_phase(owner, "charge", move |_, _, _| {
-                        Ok(Step::Complete(stored, existing))
+                        Ok(Step::Complete(stored.clone(), existing))
                     })
                     .unwrap_or_else(|reply| reply));
             }
@@ -1051,7 +1051,7 @@ impl App {
                 let stored = problem_response(Problem::CardDeclined);
                 return Err(self
                     .ledger_phase(owner, "charge", move |_, _, _| {
-                        Ok(Step::Complete(stored, false))
+                        Ok(Step::Complete(stored.clone(), false))
                     })
                     .unwrap_or_else(|reply| reply));
             }
@@ -1077,9 +1077,9 @@ impl App {
     /// Commits `effect` and what it decides for the key, if `owner` still
     /// holds its key (the fencing check); answers like a later duplicate if
     /// it was taken over meanwhile.
-    fn commit<F>(&self, owner: &Owner, kind: &str, effect: F) -> Result<Committed, Reply>
+    fn commit<F>(&self, owner: &Owner, kind: &str, mut effect: F) -> Result<Committed, Reply>
     where
-        F: FnOnce(&dyn Db, &Owner, i64) -> Result<Step> + Send + 'static,
+        F: FnMut(&dyn Db, &Owner, i64) -> Result<Step> + Send + 'static,
     {
         let o = owner.clone();
         let committed = self.store.write(move |tx| {
@@ -1119,7 +1119,7 @@ impl App {
     /// [`App::commit`] of an effect that completes the key.
     fn ledger_phase<F>(&self, owner: &Owner, kind: &str, effect: F) -> Result<Reply, Reply>
     where
-        F: FnOnce(&dyn Db, &Owner, i64) -> Result<Step> + Send + 'static,
+        F: FnMut(&dyn Db, &Owner, i64) -> Result<Step> + Send + 'static,
     {
         match self.commit(owner, kind, effect)? {
             Committed::Completed(stored, existing) => Ok(Reply::stored(stored, existing)),

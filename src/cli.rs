@@ -16,6 +16,7 @@ use crate::config::{
 use crate::error::{Error, Result};
 use crate::idempotency::IdempotencyKey;
 use crate::keys::{self, Eviction, KeyInfo};
+use crate::store::Admin;
 use crate::{backup, consumers, store, verify, Server};
 
 #[derive(Parser, Debug)]
@@ -26,11 +27,20 @@ use crate::{backup, consumers, store, verify, Server};
     propagate_version = true
 )]
 struct Cli {
-    /// SQLite database file. `serve` and `consumers create` create it (with
-    /// the schema) if it does not exist and migrate an older one; `verify`,
-    /// `backup`, `consumers list` and `migrate` need an existing one.
+    /// The database: an SQLite file, or a PostgreSQL URL
+    /// (`postgres://user[:password]@host[:port]/database`, an existing
+    /// database). `serve` and `consumers create` create an SQLite file (with
+    /// the schema) if it does not exist and migrate an older one, and give
+    /// an empty PostgreSQL database the schema; `verify`, `backup`,
+    /// `consumers list` and `migrate` need an existing one.
     #[arg(long, env = "IDEM_DB", default_value = "./idem.db", global = true)]
     db: PathBuf,
+    /// The built-in acquirer simulator's file. Default: `<db>.acquirer.sqlite`
+    /// beside an SQLite database. Required with a PostgreSQL `--db`: every
+    /// server sharing the database names the same file (they stand in front
+    /// of one acquirer); `verify` and `keys evict` read it.
+    #[arg(long, env = "IDEM_ACQUIRER_STORE", global = true)]
+    acquirer_store: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -330,12 +340,12 @@ pub fn run() -> Result<i32> {
         Err(e) => e.exit(),
     };
     match cli.command {
-        Command::Serve(args) => serve(cli.db, *args),
+        Command::Serve(args) => serve(cli.db, cli.acquirer_store, *args),
         Command::Consumers {
             command: ConsumersCommand::Create { name },
         } => {
-            let conn = store::open_rw(&cli.db, Synchronous::Full, None)?;
-            let (consumer, key) = consumers::create(&conn, &name)?;
+            let (consumer, key) =
+                Admin::create(&cli.db)?.write(|db| consumers::create(db, &name))?;
             eprintln!(
                 "created consumer '{}' ({}); its secret key, shown once:",
                 consumer.name, consumer.public_id
@@ -346,22 +356,36 @@ pub fn run() -> Result<i32> {
         Command::Consumers {
             command: ConsumersCommand::List,
         } => {
-            let conn = store::open_existing(&cli.db)?;
+            let found = existing(&cli.db)?.read(consumers::list)?;
             println!("{:<24} {:<40} created_at", "name", "id");
-            for c in consumers::list(&conn)? {
+            for c in found {
                 println!("{:<24} {:<40} {}", c.name, c.public_id, c.created_at);
             }
             Ok(0)
         }
-        Command::Keys { command } => keys_command(&cli.db, command),
+        Command::Keys { command } => {
+            let simulator = acquirer_store(&cli.db, cli.acquirer_store.as_deref())?;
+            keys_command(&cli.db, &simulator, command)
+        }
         Command::Verify => {
-            let conn = store::open_current(&cli.db)?;
-            let simulator = crate::acquirer::Simulator::store_path(&cli.db);
-            let report = verify::verify_with_acquirer(&conn, &simulator)?;
+            let simulator = acquirer_store(&cli.db, cli.acquirer_store.as_deref())?;
+            let report = match Admin::current(&cli.db)? {
+                Admin::Sqlite(conn) => verify::verify_with_acquirer(&conn, &simulator)?,
+                mut admin => {
+                    admin.read(|db| verify::verify_invariants_with_acquirer(db, &simulator))?
+                }
+            };
             print!("{report}");
             Ok(if report.ok() { 0 } else { 1 })
         }
         Command::Migrate => migrate(&cli.db),
+        Command::Backup { .. } if store::is_postgres(&cli.db) => Err(Error::Usage(
+            "idem backup copies an SQLite file; a PostgreSQL database is backed up with \
+             PostgreSQL's own tools: `pg_dump --format=custom --file=idem.dump <url>` (a \
+             consistent snapshot while servers run), restored with `pg_restore` into an empty \
+             database, then checked with `idem verify --db <its url>`"
+                .into(),
+        )),
         Command::Backup { out } => {
             let mut options = backup::Options::default();
             if let Ok(delay) = std::env::var("IDEM_BACKUP_STEP_DELAY") {
@@ -392,8 +416,12 @@ pub fn run() -> Result<i32> {
 
 /// `idem keys`: on an existing database at the current schema (the key
 /// columns it reads), beside a running server if there is one.
-fn keys_command(db: &std::path::Path, command: KeysCommand) -> Result<i32> {
-    let mut conn = store::open_current(db)?;
+fn keys_command(
+    db: &std::path::Path,
+    simulator: &std::path::Path,
+    command: KeysCommand,
+) -> Result<i32> {
+    let mut admin = Admin::current(db)?;
     let now = crate::time::now_ms();
     match command {
         KeysCommand::List {
@@ -408,7 +436,7 @@ fn keys_command(db: &std::path::Path, command: KeysCommand) -> Result<i32> {
                 in_progress: state.map(|s| matches!(s, StateArg::InProgress)),
                 limit: limit as usize,
             };
-            let (found, more) = keys::list(&conn, &filter, now, inflight.timeout)?;
+            let (found, more) = admin.read(|db| keys::list(db, &filter, now, inflight.timeout))?;
             if json {
                 /// The list as the HTTP API's lists are shaped.
                 #[derive(serde::Serialize)]
@@ -452,14 +480,16 @@ fn keys_command(db: &std::path::Path, command: KeysCommand) -> Result<i32> {
             json,
             inflight,
         } => {
-            let Some(info) = keys::show(
-                &conn,
-                &scope.consumer,
-                &scope.path,
-                &scope.key,
-                now,
-                inflight.timeout,
-            )?
+            let Some(info) = admin.read(|db| {
+                keys::show(
+                    db,
+                    &scope.consumer,
+                    &scope.path,
+                    &scope.key,
+                    now,
+                    inflight.timeout,
+                )
+            })?
             else {
                 return Err(no_such_key(&scope));
             };
@@ -475,8 +505,8 @@ fn keys_command(db: &std::path::Path, command: KeysCommand) -> Result<i32> {
             json,
             inflight,
         } => match keys::evict(
-            &mut conn,
-            db,
+            &mut admin,
+            simulator,
             &scope.consumer,
             &scope.path,
             &scope.key,
@@ -561,8 +591,50 @@ fn print_key(k: &KeyInfo) {
     }
 }
 
+/// The database of a command that reads or checks an existing one: an
+/// SQLite file at any schema this build knows ([`store::open_existing`]), a
+/// PostgreSQL database at this build's.
+fn existing(db: &std::path::Path) -> Result<Admin> {
+    if store::is_postgres(db) {
+        Admin::current(db)
+    } else {
+        Ok(Admin::Sqlite(store::open_existing(db)?))
+    }
+}
+
+/// The acquirer simulator's file: `--acquirer-store`, else the one beside
+/// an SQLite database; a PostgreSQL database has nothing beside it.
+fn acquirer_store(db: &std::path::Path, named: Option<&std::path::Path>) -> Result<PathBuf> {
+    match named {
+        Some(path) => Ok(path.to_path_buf()),
+        None if store::is_postgres(db) => Err(Error::Usage(
+            "--db is a PostgreSQL URL: name the acquirer simulator's file with \
+             --acquirer-store PATH (the one the servers use)"
+                .into(),
+        )),
+        None => Ok(crate::acquirer::Simulator::store_path(db)),
+    }
+}
+
 /// `idem migrate`: under the process lock, so never beneath a running server.
+/// On PostgreSQL, beside running servers: creating the schema of an empty
+/// database is one transaction, which servers starting at once wait for.
 fn migrate(db: &std::path::Path) -> Result<i32> {
+    if let Some(url) = store::postgres_url(db) {
+        let done = store::PgStore::open(url, 1)?.migrate()?;
+        if done.from == done.to {
+            println!(
+                "the PostgreSQL database is at schema version {}: nothing to do",
+                done.to
+            );
+        } else {
+            println!(
+                "created the idem schema (version {}) in the PostgreSQL database",
+                done.to
+            );
+        }
+        return Ok(0);
+    }
     let mut conn = store::open_existing(db)?;
     let _lock = store::ProcessLock::acquire(db)?;
     let fault = fault_from_env()?.map(|(point, _)| point);
@@ -588,11 +660,12 @@ fn migrate(db: &std::path::Path) -> Result<i32> {
     Ok(0)
 }
 
-fn serve(db: PathBuf, args: ServeArgs) -> Result<i32> {
+fn serve(db: PathBuf, acquirer_store: Option<PathBuf>, args: ServeArgs) -> Result<i32> {
     // Warnings and errors (failed batches, panics, refused connections) go
     // to stderr; RUST_LOG=info or =debug shows more.
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let mut config = Config::new(db);
+    config.acquirer_store = acquirer_store;
     config.addr = args.addr;
     if let Some(workers) = args.workers {
         config.workers = usize::from(workers);

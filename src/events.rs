@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::ids;
 use crate::ledger::UnknownCursor;
 use crate::model::{ListObject, Page};
-use crate::store::{params, Db, Dialect, Row};
+use crate::store::{params, Db, Dialect};
 use crate::time::rfc3339;
 
 /// What happened. The names are the contract's event types.
@@ -174,7 +174,7 @@ pub fn list(
         "SELECT body FROM events WHERE consumer_id = ?1 {filter} AND id < ?2 \
          ORDER BY id DESC LIMIT ?3"
     );
-    self::page(
+    crate::ledger::page(
         db,
         consumer_id,
         page,
@@ -189,39 +189,6 @@ pub fn list(
             RawValue::from_string(body).map_err(|e| invalid(&e))
         },
     )
-}
-
-/// A page of `scope`'s rows, newest (highest id) first: `cursor_sql` finds
-/// the id of the cursor's row (`?1` the scope, `?2` the cursor's public
-/// id), `page_sql` reads the rows before it (`?1` the scope, `?2` the id,
-/// `?3` the limit, one more than the page to learn `has_more`).
-///
-/// `ledger::page` over a [`Db`], for the lists of this module, webhooks and
-/// inbound until `ledger.rs` itself is written against [`Db`]; then they
-/// call `ledger::page` again and this goes.
-pub(crate) fn page<T>(
-    db: &dyn Db,
-    scope: i64,
-    page: &Page,
-    cursor_sql: &str,
-    page_sql: &str,
-    map: impl FnMut(&dyn Row) -> Result<T>,
-) -> Result<std::result::Result<ListObject<T>, UnknownCursor>> {
-    let before = match &page.starting_after {
-        None => i64::MAX,
-        Some(cursor) => match db.query_opt(cursor_sql, params![scope, cursor], |r| r.get(0))? {
-            Some(id) => id,
-            None => return Ok(Err(UnknownCursor)),
-        },
-    };
-    let mut data = db.query_all(page_sql, params![scope, before, page.limit as i64 + 1], map)?;
-    let has_more = data.len() > page.limit;
-    data.truncate(page.limit);
-    Ok(Ok(ListObject {
-        object: "list",
-        data,
-        has_more,
-    }))
 }
 
 /// Deletes up to `limit` of the oldest events created before `cutoff_ms`,

@@ -141,7 +141,7 @@ pub fn list_sources(
     consumer_id: i64,
     p: &Page,
 ) -> Result<std::result::Result<ListObject<SourceObject>, UnknownCursor>> {
-    events::page(
+    crate::ledger::page(
         db,
         consumer_id,
         p,
@@ -805,7 +805,7 @@ pub fn list(
          FROM notifications n JOIN notification_sources s ON s.id = n.source_id \
          WHERE n.consumer_id = ?1 AND n.id < ?2 {filter} ORDER BY n.id DESC LIMIT ?3"
     );
-    events::page(
+    crate::ledger::page(
         db,
         consumer_id,
         p,

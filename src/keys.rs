@@ -15,13 +15,12 @@
 use std::path::Path;
 use std::time::Duration;
 
-use rusqlite::{Connection, TransactionBehavior};
 use serde::Serialize;
 
 use crate::acquirer::Simulator;
 use crate::error::{Error, Result};
 use crate::ledger;
-use crate::store::{params, Db, Dialect, Row};
+use crate::store::{params, Admin, Db, Dialect, Row};
 use crate::time::{millis, rfc3339};
 
 /// One key row as an operator sees it (no request, no response body).
@@ -250,52 +249,31 @@ fn load(
 ///   capture or cancel releases the claim on its hold in the same
 ///   transaction, so the hold can be captured or canceled again.
 ///
-/// One `BEGIN IMMEDIATE` transaction on `conn`, which may be a connection of
-/// another process than the server's; `db_path` is the database's file, beside
-/// which the built-in acquirer keeps its own.
+/// One write transaction on `admin` (on SQLite `BEGIN IMMEDIATE`), beside
+/// any running server; `acquirer_store` is the built-in acquirer's file.
 pub fn evict(
-    conn: &mut Connection,
-    db_path: &Path,
+    admin: &mut Admin,
+    acquirer_store: &Path,
     consumer: &str,
     path: &str,
     key: &str,
     now_ms: i64,
     inflight: Duration,
 ) -> Result<Eviction> {
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    // `ledger::release_claim` still takes the rusqlite connection: it comes
-    // in as a function on this same transaction.
-    let eviction = evict_in(
-        &*tx,
-        db_path,
-        consumer,
-        path,
-        key,
-        now_ms,
-        inflight,
-        &|op_id| ledger::release_claim(&tx, op_id),
-    )?;
-    // A refusal wrote nothing; dropping the transaction rolls it back.
-    if matches!(eviction, Eviction::Evicted { .. }) {
-        tx.commit()?;
-    }
-    Ok(eviction)
+    // A refusal writes nothing, so committing it changes nothing.
+    admin.write(|db| evict_in(db, acquirer_store, consumer, path, key, now_ms, inflight))
 }
 
 /// The body of [`evict`], inside the caller's write transaction on `db`:
-/// decides and, if it is safe, releases the claim (`release_claim`, which
-/// must run on that same transaction) and deletes the key row. The caller
-/// commits only an [`Eviction::Evicted`].
-#[allow(clippy::too_many_arguments)]
-pub fn evict_in(
+/// decides and, if it is safe, releases the claim and deletes the key row.
+fn evict_in(
     db: &dyn Db,
-    db_path: &Path,
+    acquirer_store: &Path,
     consumer: &str,
     path: &str,
     key: &str,
     now_ms: i64,
     inflight: Duration,
-    release_claim: &dyn Fn(&str) -> Result<Option<String>>,
 ) -> Result<Eviction> {
     let consumer_id = consumer_id(db, consumer)?;
     let Some(info) = load(db, consumer_id, path, key, now_ms, inflight)? else {
@@ -321,7 +299,7 @@ pub fn evict_in(
                 info.recovery_point
             )));
         }
-        if Simulator::knows_operation(db_path, &info.op_id)? {
+        if Simulator::knows_operation(acquirer_store, &info.op_id)? {
             return Ok(Eviction::Refused(format!(
                 "key '{key}' is an orphan at recovery point 'reserved', but the acquirer has \
                  already seen its operation {} (the owner stopped after the call, before \
@@ -331,7 +309,7 @@ pub fn evict_in(
                 info.op_id
             )));
         }
-        released_charge = release_claim(&info.op_id)?;
+        released_charge = ledger::release_claim(db, &info.op_id)?;
     }
     db.execute(
         "DELETE FROM idempotency_keys WHERE consumer_id = ?1 AND method = 'POST' \

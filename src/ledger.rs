@@ -6,12 +6,6 @@
 //! the stored answer commit together or not at all. This module knows nothing
 //! about HTTP or idempotency keys; it records which operation produced what.
 
-// Only for the five write functions that call into events and inbound
-// (`create_account`, `apply_charge`, `apply_capture`, `apply_cancel`,
-// `apply_refund`): `events::record`, `inbound::settle_unmatched` and
-// `inbound::release_unmatched` still take a `&Connection`, which a `&dyn Db`
-// cannot become. Once they take `&dyn Db`, so do these, and this goes.
-use rusqlite::Connection;
 use serde_json::Value;
 
 use crate::error::Result;
@@ -144,12 +138,12 @@ pub enum AccountOutcome {
 }
 
 pub fn create_account(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     req: &AccountRequest,
     now_ms: i64,
 ) -> Result<AccountOutcome> {
-    let db: &dyn Db = tx;
+    let db = tx;
     if let Some(id) = &req.id {
         if let Some(existing) = find_account(db, consumer_id, id)? {
             return Ok(if existing.same_fields(req) {
@@ -354,7 +348,7 @@ pub fn precheck_charge(
 /// on the source and room reserved on the destination until `expires_at_ms`.
 #[allow(clippy::too_many_arguments)]
 pub fn apply_charge(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     req: &ChargeRequest,
     fp: &Fingerprint,
@@ -363,7 +357,7 @@ pub fn apply_charge(
     now_ms: i64,
     expires_at_ms: i64,
 ) -> Result<ChargeOutcome> {
-    let db: &dyn Db = tx;
+    let db = tx;
     let (source, destination) = match check_charge(db, consumer_id, req, fp)? {
         Ok(accounts) => accounts,
         Err(outcome) => return Ok(outcome),
@@ -592,14 +586,14 @@ fn release_claimed(
 /// rest is released), `succeeded`. The hold guarantees the funds and the
 /// room, so this cannot be refused.
 pub fn apply_capture(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     charge: &str,
     claimer: &str,
     amount: i64,
     now_ms: i64,
 ) -> Result<ChargeObject> {
-    let db: &dyn Db = tx;
+    let db = tx;
     let row = release_claimed(db, consumer_id, charge, claimer)?;
     post_entry(db, row.source_id, -amount, row.id, None, now_ms)?;
     post_entry(db, row.destination_id, amount, row.id, None, now_ms)?;
@@ -636,14 +630,14 @@ pub enum CancellationReason {
 /// The ledger phase of a cancel (or an expiry) whose authorization the
 /// acquirer has voided: the hold released, `canceled`.
 pub fn apply_cancel(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     charge: &str,
     claimer: &str,
     reason: CancellationReason,
     now_ms: i64,
 ) -> Result<ChargeObject> {
-    let db: &dyn Db = tx;
+    let db = tx;
     let row = release_claimed(db, consumer_id, charge, claimer)?;
     let reason = match reason {
         CancellationReason::Requested => "requested",
@@ -765,13 +759,13 @@ pub enum RefundOutcome {
 }
 
 pub fn apply_refund(
-    tx: &Connection,
+    tx: &dyn Db,
     consumer_id: i64,
     req: &RefundRequest,
     origin: &Origin<'_>,
     now_ms: i64,
 ) -> Result<RefundOutcome> {
-    let db: &dyn Db = tx;
+    let db = tx;
     let Some(charge) = find_charge(db, consumer_id, &req.charge)? else {
         return Ok(RefundOutcome::ChargeNotFound);
     };
@@ -869,7 +863,7 @@ pub(crate) fn page<T>(
     page: &Page,
     cursor_sql: &str,
     page_sql: &str,
-    map: impl Fn(&dyn Row) -> Result<T>,
+    map: impl FnMut(&dyn Row) -> Result<T>,
 ) -> Result<Result<ListObject<T>, UnknownCursor>> {
     let before = match &page.starting_after {
         None => i64::MAX,

@@ -486,21 +486,22 @@ fn open_store(config: &Config, metrics: &Arc<Metrics>) -> Result<Store> {
         let pg = PgStore::open(url, config::PG_POOL_MAX)?;
         pg.migrate()?;
         if config.verify_on_start {
-            pg.read(|db| check_on_start(&config.db, db))?;
+            refuse_unless_verified(&config.db, pg.read(verify::verify_invariants)?)?;
         }
         return Ok(Store::postgres(pg));
     }
     let conn = store::open_rw(&config.db, config.synchronous, config.fault)?;
     if config.verify_on_start {
-        check_on_start(&config.db, &conn)?;
+        refuse_unless_verified(&config.db, verify::verify(&conn)?)?;
     }
     let readers = Readers::open(&config.db, readers_max)?;
     let writer = Writer::start(conn, config.commit_batch_max, Arc::clone(metrics));
     Ok(Store::Sqlite { writer, readers })
 }
 
-fn check_on_start(db: &Path, conn: &dyn store::Db) -> Result<()> {
-    let report = verify::verify(conn)?;
+/// The startup check's verdict: a database that fails `idem verify`'s
+/// checks is not served.
+fn refuse_unless_verified(db: &Path, report: verify::Report) -> Result<()> {
     if report.ok() {
         return Ok(());
     }

@@ -13,7 +13,6 @@ use serde::Serialize;
 use crate::config::WEBHOOK_ENDPOINTS_MAX;
 use crate::error::{Error, Result};
 use crate::ids;
-use crate::events;
 use crate::ledger::UnknownCursor;
 use crate::model::{ListObject, Page, WebhookEndpointRequest};
 use crate::signature;
@@ -136,7 +135,7 @@ pub fn list(
     consumer_id: i64,
     page: &Page,
 ) -> Result<std::result::Result<ListObject<EndpointObject>, UnknownCursor>> {
-    events::page(
+    crate::ledger::page(
         db,
         consumer_id,
         page,

@@ -341,7 +341,13 @@ impl Simulator {
     /// forgotten, oldest first; empty if it has none. Safe to call while
     /// the server runs.
     pub fn journal(db: &Path) -> Result<Vec<Call>> {
-        let Some(conn) = open_for_reading(db)? else {
+        Simulator::journal_of_file(&Simulator::store_path(db))
+    }
+
+    /// [`Simulator::journal`] of the simulator whose file is `store` (see
+    /// [`Simulator::open_file`]).
+    pub fn journal_of_file(store: &Path) -> Result<Vec<Call>> {
+        let Some(conn) = open_for_reading(store)? else {
             return Ok(Vec::new());
         };
         let mut stmt = conn.prepare(
@@ -370,12 +376,12 @@ impl Simulator {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
-    /// Whether the simulator of database `db` has heard of the operation
+    /// Whether the simulator whose file is `store` has heard of the operation
     /// `op_id`: a call journaled, or an authorization or an operation kept,
     /// under its key or a key derived from it (`<op_id>:void`). `false` when
     /// there is no simulator file. Safe to call while the server runs.
-    pub fn knows_operation(db: &Path, op_id: &str) -> Result<bool> {
-        let Some(conn) = open_for_reading(db)? else {
+    pub fn knows_operation(store: &Path, op_id: &str) -> Result<bool> {
+        let Some(conn) = open_for_reading(store)? else {
             return Ok(false);
         };
         // Exact comparisons (LIKE would read `_` in an id as a wildcard).
@@ -395,7 +401,12 @@ impl Simulator {
     /// Every authorization the simulator of database `db` remembers, oldest
     /// first; empty if it has none.
     pub fn authorizations(db: &Path) -> Result<Vec<StoredAuthorization>> {
-        let Some(conn) = open_for_reading(db)? else {
+        Simulator::authorizations_of_file(&Simulator::store_path(db))
+    }
+
+    /// [`Simulator::authorizations`] of the simulator whose file is `store`.
+    pub fn authorizations_of_file(store: &Path) -> Result<Vec<StoredAuthorization>> {
+        let Some(conn) = open_for_reading(store)? else {
             return Ok(Vec::new());
         };
         let mut stmt = conn.prepare(
@@ -884,13 +895,12 @@ fn migrate(conn: &mut Connection) -> Result<()> {
 /// A connection to read the simulator file of `db`, or `None` if it has
 /// none. Read-write (WAL readers need the shared-memory file), never
 /// creating anything.
-fn open_for_reading(db: &Path) -> Result<Option<Connection>> {
-    let path = Simulator::store_path(db);
+fn open_for_reading(path: &Path) -> Result<Option<Connection>> {
     if !path.exists() {
         return Ok(None);
     }
     let conn = Connection::open_with_flags(
-        &path,
+        path,
         OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
     conn.busy_timeout(BUSY_TIMEOUT)?;

@@ -33,7 +33,7 @@ pub fn postgres_url(db: &Path) -> Option<&str> {
     db.to_str()
         .filter(|s| s.starts_with("postgres://") || s.starts_with("postgresql://"))
 }
-pub use sql::{Arg, Db, Dialect, FromValue, Row, Value};
+pub use sql::{Arg, Db, Dialect, Row, Value};
 pub use writer::Writer;
 
 #[cfg(test)]
@@ -295,14 +295,6 @@ impl Store {
         }
     }
 
-    /// The engine behind this store.
-    pub fn dialect(&self) -> Dialect {
-        match self {
-            Store::Sqlite { .. } => Dialect::Sqlite,
-            Store::Postgres { .. } => Dialect::Postgres,
-        }
-    }
-
     /// Runs `f` in a write transaction and returns once it committed.
     pub fn write<T, F>(&self, mut f: F) -> Result<T>
     where
@@ -348,8 +340,8 @@ impl Store {
 }
 
 /// Runs `f` on the database `db` (a file or a PostgreSQL URL), read-only:
-/// for tools and tests that look at rows on either backend.
-#[cfg(any(feature = "cli", feature = "internals"))]
+/// for tests that look at rows on either backend.
+#[cfg(feature = "internals")]
 pub fn inspect<T>(db: &Path, f: impl FnOnce(&dyn Db) -> Result<T>) -> Result<T> {
     if let Some(url) = postgres_url(db) {
         return PgStore::open(url, 1)?.read(f);
@@ -358,4 +350,83 @@ pub fn inspect<T>(db: &Path, f: impl FnOnce(&dyn Db) -> Result<T>) -> Result<T> 
         .map_err(|e| cannot_open(db, e))?;
     conn.busy_timeout(BUSY_TIMEOUT)?;
     f(&conn)
+}
+
+/// The database as the admin commands (`idem consumers`, `keys`, `verify`,
+/// `migrate`) open it: one connection of their own beside any running
+/// server, on either backend.
+#[cfg(any(feature = "cli", feature = "internals"))]
+pub enum Admin {
+    /// An SQLite file (its own read-write connection).
+    Sqlite(Connection),
+    /// A PostgreSQL database (a pool of one).
+    Postgres(PgStore),
+}
+
+#[cfg(any(feature = "cli", feature = "internals"))]
+impl Admin {
+    /// Opens `db` for a command that may create it: an SQLite file is
+    /// created and migrated ([`open_rw`]); a PostgreSQL database (which must
+    /// exist) gets the schema if it is empty.
+    pub fn create(db: &Path) -> Result<Admin> {
+        match postgres_url(db) {
+            Some(url) => {
+                let pg = PgStore::open(url, 1)?;
+                pg.migrate()?;
+                Ok(Admin::Postgres(pg))
+            }
+            None => Ok(Admin::Sqlite(open_rw(db, crate::config::Synchronous::Full, None)?)),
+        }
+    }
+
+    /// Opens an existing database at the current schema version ([`open_current`]).
+    pub fn current(db: &Path) -> Result<Admin> {
+        match postgres_url(db) {
+            Some(url) => {
+                let pg = PgStore::open(url, 1)?;
+                let found = pg.version()?;
+                if found != SCHEMA_VERSION {
+                    return Err(Error::Other(format!(
+                        "the PostgreSQL database is at schema version {found}, not this idem's \
+                         {SCHEMA_VERSION}{}",
+                        if found == 0 {
+                            " (it has no idem schema: `idem serve` or `idem migrate` creates it)"
+                        } else {
+                            ""
+                        }
+                    )));
+                }
+                Ok(Admin::Postgres(pg))
+            }
+            None => Ok(Admin::Sqlite(open_current(db)?)),
+        }
+    }
+
+    /// Runs `f` in one write transaction (SQLite: `BEGIN IMMEDIATE`, so it
+    /// sees rows as a running server's writer will; PostgreSQL:
+    /// serializable, run again if it loses a race).
+    pub fn write<T>(&mut self, mut f: impl FnMut(&dyn Db) -> Result<T>) -> Result<T> {
+        match self {
+            Admin::Sqlite(conn) => {
+                let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+                let done = f(&*tx)?;
+                tx.commit()?;
+                Ok(done)
+            }
+            Admin::Postgres(pg) => pg.write(f),
+        }
+    }
+
+    /// Runs `f` on one consistent read-only view.
+    pub fn read<T>(&mut self, f: impl FnOnce(&dyn Db) -> Result<T>) -> Result<T> {
+        match self {
+            Admin::Sqlite(conn) => {
+                let tx = conn.transaction()?;
+                let done = f(&*tx)?;
+                tx.commit()?;
+                Ok(done)
+            }
+            Admin::Postgres(pg) => pg.read(f),
+        }
+    }
 }

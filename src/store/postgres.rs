@@ -247,6 +247,7 @@ impl PgStore {
     }
 
     /// The schema version of the database (0: none yet).
+    #[cfg(any(feature = "cli", feature = "internals"))]
     pub fn version(&self) -> Result<i64> {
         self.read(|db| {
             if !db.query_value::<bool>(

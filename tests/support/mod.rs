@@ -313,7 +313,9 @@ pub fn skip_on_postgres(why: &str) -> bool {
 
 /// `admin` with its database replaced by `name`.
 fn with_database(admin: &str, name: &str) -> String {
-    let (base, _) = admin.rsplit_once('/').expect("a postgres:// URL with a database");
+    let (base, _) = admin
+        .rsplit_once('/')
+        .expect("a postgres:// URL with a database");
     format!("{base}/{name}")
 }
 
