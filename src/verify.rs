@@ -388,9 +388,20 @@ const ANSWERS_POSTGRES: &str = concat!(
     answers_rest!()
 );
 
+/// One authorization remembered by the acquirer, as the row `a` of the
+/// checks below: `?1` its id, `?2` its key, `?3` captured, `?4` refunded
+/// (typed, so that PostgreSQL knows the parameters' types).
+#[cfg(any(feature = "cli", feature = "internals"))]
+macro_rules! acquirer_row {
+    () => {
+        "WITH a AS (SELECT CAST(?1 AS TEXT) AS id, CAST(?2 AS TEXT) AS key, \
+         CAST(?3 AS BIGINT) AS captured, CAST(?4 AS BIGINT) AS refunded) "
+    };
+}
+
 /// The acquirer's books against the ledger's, one remembered authorization
-/// at a time (`?1` its id, `?2` its key, `?3` captured, `?4` refunded): each
-/// statement returns one line per violation. The simulator forgets past its
+/// at a time (the row `a`, [`acquirer_row`]): each statement returns one
+/// line per violation. The simulator forgets past its
 /// retention, so this checks the authorizations it still remembers against
 /// the ledger, which keeps every charge; an operation still in progress may
 /// be between its acquirer call and its ledger commit, and is not a
@@ -400,47 +411,59 @@ const ACQUIRER_CHECKS: &[(&str, &str, &str)] = &[
     (
         "an authorization open at the acquirer belongs to a held charge",
         "authorized",
-        "SELECT 'authorization ' || ?1 || ' (' || ?2 || ') is open at the acquirer, but ' || \
-         coalesce((SELECT 'its charge ' || c.public_id || ' is ' || c.status FROM charges c \
-         WHERE c.authorization_id = ?1 LIMIT 1), 'no charge holds it') \
-         WHERE NOT EXISTS (SELECT 1 FROM charges c WHERE c.authorization_id = ?1 \
-           AND c.status = 'requires_capture') \
-         AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.op_id = ?2 \
-           AND k.state = 'in_progress')",
+        concat!(
+            acquirer_row!(),
+            "SELECT 'authorization ' || a.id || ' (' || a.key || ') is open at the acquirer, \
+             but ' || coalesce((SELECT 'its charge ' || c.public_id || ' is ' || c.status \
+             FROM charges c WHERE c.authorization_id = a.id LIMIT 1), 'no charge holds it') \
+             FROM a WHERE NOT EXISTS (SELECT 1 FROM charges c WHERE c.authorization_id = a.id \
+               AND c.status = 'requires_capture') \
+             AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.op_id = a.key \
+               AND k.state = 'in_progress')"
+        ),
     ),
     (
         "an authorization captured at the acquirer is a charge that captured as much, once",
         "captured",
-        "SELECT 'authorization ' || ?1 || ' captured ' || CAST(?3 AS BIGINT) || \
-         ' at the acquirer, but ' || coalesce((SELECT 'its charge ' || c.public_id || ' is ' || \
-         c.status || ' with ' || c.amount_captured || ' captured' FROM charges c \
-         WHERE c.authorization_id = ?1 LIMIT 1), 'no charge has it') \
-         WHERE NOT EXISTS (SELECT 1 FROM charges c WHERE c.authorization_id = ?1 \
-           AND c.status = 'succeeded' AND c.amount_captured = ?3) \
-         AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.op_id = ?2 \
-           AND k.state = 'in_progress') \
-         AND NOT EXISTS (SELECT 1 FROM charges c JOIN idempotency_keys k \
-           ON k.op_id = c.claimed_by AND k.state = 'in_progress' \
-           WHERE c.authorization_id = ?1)",
+        concat!(
+            acquirer_row!(),
+            "SELECT 'authorization ' || a.id || ' captured ' || a.captured || \
+             ' at the acquirer, but ' || coalesce((SELECT 'its charge ' || c.public_id || \
+             ' is ' || c.status || ' with ' || c.amount_captured || ' captured' FROM charges c \
+             WHERE c.authorization_id = a.id LIMIT 1), 'no charge has it') \
+             FROM a WHERE NOT EXISTS (SELECT 1 FROM charges c WHERE c.authorization_id = a.id \
+               AND c.status = 'succeeded' AND c.amount_captured = a.captured) \
+             AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.op_id = a.key \
+               AND k.state = 'in_progress') \
+             AND NOT EXISTS (SELECT 1 FROM charges c JOIN idempotency_keys k \
+               ON k.op_id = c.claimed_by AND k.state = 'in_progress' \
+               WHERE c.authorization_id = a.id)"
+        ),
     ),
     (
         "an authorization voided at the acquirer moved and holds no money in the ledger",
         "voided",
-        "SELECT 'authorization ' || ?1 || ' was voided at the acquirer, but \
-         its charge ' || c.public_id || ' is ' || c.status FROM charges c \
-         WHERE c.authorization_id = ?1 AND c.status <> 'canceled' AND c.claimed_by IS NULL \
-         AND CAST(?2 AS TEXT) IS NOT NULL",
+        concat!(
+            acquirer_row!(),
+            "SELECT 'authorization ' || a.id || ' was voided at the acquirer, but its charge ' \
+             || c.public_id || ' is ' || c.status FROM a JOIN charges c \
+             ON c.authorization_id = a.id \
+             WHERE c.status <> 'canceled' AND c.claimed_by IS NULL"
+        ),
     ),
     (
         "the acquirer refunded what the ledger refunded",
         "",
-        "SELECT 'charge ' || c.public_id || ' refunded ' || c.amount_refunded || \
-         ' in the ledger, ' || CAST(?4 AS BIGINT) || ' at the acquirer' \
-         FROM charges c WHERE c.authorization_id = ?1 AND CAST(?2 AS TEXT) IS NOT NULL \
-         AND (?4 > c.amount_refunded OR (?4 < c.amount_refunded \
-           AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.state = 'in_progress' \
-             AND k.recovery_point = 'applied' \
-             AND k.path = '/v1/charges/' || c.public_id || '/refunds')))",
+        concat!(
+            acquirer_row!(),
+            "SELECT 'charge ' || c.public_id || ' refunded ' || c.amount_refunded || \
+             ' in the ledger, ' || a.refunded || ' at the acquirer' \
+             FROM a JOIN charges c ON c.authorization_id = a.id \
+             WHERE a.refunded > c.amount_refunded OR (a.refunded < c.amount_refunded \
+               AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.state = 'in_progress' \
+                 AND k.recovery_point = 'applied' \
+                 AND k.path = '/v1/charges/' || c.public_id || '/refunds'))"
+        ),
     ),
 ];
 
