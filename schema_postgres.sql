@@ -2,10 +2,10 @@
 -- constraints of schema.sql (the SQLite schema at the same version), in
 -- PostgreSQL's types: INTEGER is BIGINT (every integer idem stores is an
 -- i64), BLOB is BYTEA, booleans stay 0/1 integers so that both engines run
--- the same SQL. One addition: deliveries.leased_until, the lease that lets
--- several nodes share delivery. Applied by `idem serve` (or `idem migrate`)
--- to an empty database in one transaction, together with its
--- schema_migrations row.
+-- the same SQL. Three additions, the leases that let several nodes share
+-- work: deliveries.leased_by and leased_until, charges.expiry_leased_until.
+-- Applied by `idem serve` (or `idem migrate`) to an empty database in one
+-- transaction, together with its schema_migrations rows.
 --
 -- Timestamps are integer milliseconds since the Unix epoch (UTC). Money is
 -- BIGINT minor units. Every table that a consumer owns carries consumer_id.
@@ -77,6 +77,10 @@ CREATE TABLE charges (
     -- When a hold was captured (NULL for a charge captured at once, and for
     -- captures before version 4): when its `charge.captured` event was written.
     captured_at          BIGINT ,
+    -- PostgreSQL only: while claimed_by is 'expiry', until when (ms) the
+    -- node whose reaper claimed it is voiding it; another node's reaper
+    -- takes the expiry over only after that.
+    expiry_leased_until  BIGINT  NOT NULL DEFAULT 0,
     CHECK (amount_refunded + amount_disputed <= amount_captured),
     CHECK ((status = 'succeeded') = (amount_captured > 0)),
     CHECK ((status = 'requires_capture') = (expires_at IS NOT NULL)),
@@ -239,8 +243,9 @@ CREATE TABLE deliveries (
     -- When the next attempt is due (ms); NULL once succeeded or failed.
     next_attempt_at  BIGINT ,
     updated_at       BIGINT  NOT NULL,
-    -- PostgreSQL only: until when (ms) the node that claimed this delivery
-    -- (FOR UPDATE SKIP LOCKED) is sending it; no other node sends it before.
+    -- PostgreSQL only: the node that claimed this delivery (FOR UPDATE SKIP
+    -- LOCKED) and until when (ms); no other node sends it before then.
+    leased_by        TEXT,
     leased_until     BIGINT  NOT NULL DEFAULT 0,
     UNIQUE (event_id, endpoint_id),
     CHECK ((status = 'pending') = (next_attempt_at IS NOT NULL))

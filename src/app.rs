@@ -69,6 +69,9 @@ pub struct App {
     /// The sandbox's scripts and the faults of the attempts running now
     /// (all empty outside sandbox mode).
     sandbox: Arc<Sandbox>,
+    /// This process's name in the database's leases (deliveries claimed
+    /// by this node), new at every start.
+    node: Arc<str>,
     /// Itself, for the tasks it hands to its pools.
     me: Weak<App>,
 }
@@ -143,6 +146,7 @@ impl App {
             operations: Pool::start("op", OPERATION_THREADS, OPERATION_QUEUE_LEN_MAX),
             reaping: std::sync::Mutex::new(()),
             endpoint_deletions: AtomicU64::new(0),
+            node: Arc::from(crate::ids::new_id("node_")),
             me: me.clone(),
         })
     }
@@ -1401,9 +1405,27 @@ impl App {
     // -----------------------------------------------------------------------
     // For the delivery engine
 
-    /// Up to `limit` deliveries due now, read on a reader.
+    /// Up to `limit` deliveries due now: read on a reader when this server
+    /// is the database's only one; leased to this node in the database when
+    /// servers share it, for as long as a dispatcher may hold what it read
+    /// before the attempt ends ([`App::delivery_lease`]).
     pub fn due_deliveries(&self, limit: usize) -> Result<Vec<webhooks::Due>> {
-        self.store.read(|c| webhooks::due(c, now_ms(), limit))
+        if !self.store.shared() {
+            return self.store.read(|c| webhooks::due(c, now_ms(), limit));
+        }
+        let node = Arc::clone(&self.node);
+        let lease = crate::time::millis(self.delivery_lease());
+        self.store.write(move |tx| {
+            let now = now_ms();
+            webhooks::claim_due(tx, &node, now, now.saturating_add(lease), limit)
+        })
+    }
+
+    /// How long a node's lease on a delivery lasts: its attempt's timeout
+    /// and as long again for the wait in the dispatcher's read-ahead, and a
+    /// margin. A node that dies leaves its deliveries to others after this.
+    fn delivery_lease(&self) -> Duration {
+        self.config.webhook_timeout * 2 + Duration::from_secs(10)
     }
 
     /// Records the outcomes of attempts, all in one writer command.
@@ -1488,9 +1510,15 @@ impl App {
     /// cancel claimed it first.
     fn expire_hold(&self, hold: &ledger::ExpiredHold) -> Result<bool> {
         let h = hold.clone();
-        if !self
-            .store
-            .write(move |tx| ledger::claim_expired(tx, &h, now_ms()))?
+        // The lease (PostgreSQL): the void's deadline and a margin, so that
+        // another node's reaper takes the expiry over only once this one
+        // has given up or died.
+        let lease = crate::time::millis(self.config.effective_acquirer_timeout() * 2)
+            .saturating_add(10_000);
+        if !self.store.write(move |tx| {
+            let now = now_ms();
+            ledger::claim_expired(tx, &h, now, now.saturating_add(lease))
+        })?
         {
             return Ok(false);
         }

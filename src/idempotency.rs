@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 use crate::config::IDEMPOTENCY_KEY_LEN_MAX;
 use crate::error::Result;
 use crate::ids;
-use crate::store::{params, Db, Row};
+use crate::store::{params, Db, Dialect, Row};
 
 /// A validated `Idempotency-Key`: 1–255 characters in 0x21–0x7E.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -767,6 +767,17 @@ pub fn take_over_orphan(
     now_ms: i64,
     inflight: Duration,
 ) -> Result<Option<KeyRow>> {
+    // Several servers' reapers may find one orphan (PostgreSQL): the one
+    // that locks the row first takes it over, the others pass it by at once
+    // rather than wait for that transaction (and then find it live).
+    if db.dialect() == Dialect::Postgres
+        && !db.exists(
+            "SELECT 1 FROM idempotency_keys WHERE id = ?1 FOR UPDATE SKIP LOCKED",
+            params![id],
+        )?
+    {
+        return Ok(None);
+    }
     let Some(row) = load_by_id(db, id)? else {
         return Ok(None);
     };

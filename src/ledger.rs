@@ -17,7 +17,7 @@ use crate::model::{
     AccountObject, AccountRequest, ChargeObject, ChargeRequest, EntryObject, ListObject, Page,
     RefundObject, RefundRequest,
 };
-use crate::store::{params, Db, Row};
+use crate::store::{Dialect, params, Db, Row};
 use crate::time::rfc3339;
 
 /// Which reservation produced a charge or refund (kept forever, unlike the
@@ -699,14 +699,33 @@ pub fn expired_holds(db: &dyn Db, now_ms: i64, limit: usize) -> Result<Vec<Expir
 }
 
 /// Claims an expired hold for the reaper; false if a capture or cancel
-/// claimed it first, or it is no longer held.
-pub fn claim_expired(db: &dyn Db, hold: &ExpiredHold, now_ms: i64) -> Result<bool> {
-    let n = db.execute(
-        "UPDATE charges SET claimed_by = ?3 WHERE consumer_id = ?1 AND public_id = ?2 \
-         AND status = 'requires_capture' AND expires_at <= ?4 \
-         AND (claimed_by IS NULL OR claimed_by = ?3)",
-        params![hold.consumer_id, hold.charge, EXPIRY_CLAIMER, now_ms],
-    )?;
+/// claimed it first, or it is no longer held. On a database several servers
+/// share (PostgreSQL) the claim is also a lease until `lease_until_ms`:
+/// while another node's reaper holds one (it is voiding the hold now), or
+/// is claiming the row at this moment (`FOR UPDATE SKIP LOCKED`), this is
+/// false too; a node that died mid-expiry leaves a lease that lapses.
+pub fn claim_expired(
+    db: &dyn Db,
+    hold: &ExpiredHold,
+    now_ms: i64,
+    lease_until_ms: i64,
+) -> Result<bool> {
+    let n = match db.dialect() {
+        Dialect::Sqlite => db.execute(
+            "UPDATE charges SET claimed_by = ?3 WHERE consumer_id = ?1 AND public_id = ?2 \
+             AND status = 'requires_capture' AND expires_at <= ?4 \
+             AND (claimed_by IS NULL OR claimed_by = ?3)",
+            params![hold.consumer_id, hold.charge, EXPIRY_CLAIMER, now_ms],
+        )?,
+        Dialect::Postgres => db.execute(
+            "UPDATE charges SET claimed_by = ?3, expiry_leased_until = ?5 WHERE id = ( \
+               SELECT id FROM charges WHERE consumer_id = ?1 AND public_id = ?2 \
+               AND status = 'requires_capture' AND expires_at <= ?4 \
+               AND (claimed_by IS NULL OR (claimed_by = ?3 AND expiry_leased_until < ?4)) \
+               FOR UPDATE SKIP LOCKED)",
+            params![hold.consumer_id, hold.charge, EXPIRY_CLAIMER, now_ms, lease_until_ms],
+        )?,
+    };
     Ok(n == 1)
 }
 

@@ -295,6 +295,13 @@ impl Store {
         }
     }
 
+    /// Whether other servers may share this database (PostgreSQL): work
+    /// that one process may do at a time is then leased in the database,
+    /// not only in memory.
+    pub fn shared(&self) -> bool {
+        matches!(self, Store::Postgres { .. })
+    }
+
     /// Runs `f` in a write transaction and returns once it committed.
     pub fn write<T, F>(&self, mut f: F) -> Result<T>
     where
