@@ -477,7 +477,7 @@ fn one_reference_never_reaches_the_acquirer_twice() {
         "the key was left free, now a reference replay"
     );
     assert_eq!(retry.json()["id"], first.json()["id"]);
-    let journal = idem::acquirer::Simulator::journal(server.db_path()).unwrap();
+    let journal = idem::acquirer::support::journal(server.db_path()).unwrap();
     assert_eq!(journal.len(), 1, "one acquirer call: {journal:?}");
     support::assert_verified(server.db_path());
 }

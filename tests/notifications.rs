@@ -597,7 +597,7 @@ fn a_chargeback_that_overtakes_its_authorization_applies_once_when_it_is_recorde
             let Some(sender) = hook_sender.lock().unwrap().clone() else {
                 return;
             };
-            let auth = Simulator::authorizations(&hook_db)
+            let auth = support::authorizations(&hook_db)
                 .unwrap()
                 .into_iter()
                 .find(|a| a.key == op)
@@ -738,7 +738,7 @@ fn a_crash_between_authorization_and_ledger_leaves_the_chargeback_unmatched_unti
     );
     assert!(crashed.is_err() || crashed.unwrap().status >= 500);
     first.wait_exit(Duration::from_secs(10));
-    let auths = Simulator::authorizations(&db).unwrap();
+    let auths = support::authorizations(&db).unwrap();
     assert_eq!(auths.len(), 1);
     let auth = auths[0].id.clone();
 

@@ -21,6 +21,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::str::FromStr;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -35,6 +36,10 @@ use crate::error::{Error, Result};
 /// How many times a write command that lost a serialization race runs again
 /// before its caller gets the error (a 503: the request may be retried).
 pub const RETRIES_MAX: u32 = 64;
+
+/// After this many serialization failures a write command's next attempts
+/// run alone in this process (see [`PgStore::write`]).
+pub const ESCALATE_AFTER: u32 = 2;
 
 /// Prepared statements one connection keeps; past this the cache is emptied
 /// and filled again, so statements built at run time cannot grow it forever.
@@ -95,6 +100,9 @@ impl r2d2::ManageConnection for Manager {
 #[derive(Clone)]
 pub struct PgStore {
     pool: r2d2::Pool<Manager>,
+    /// Shared by first attempts, taken alone by escalated retries (see
+    /// [`PgStore::write`]).
+    gate: Arc<RwLock<()>>,
 }
 
 impl PgStore {
@@ -120,15 +128,34 @@ impl PgStore {
                      running, the database exists and the user may log in"
                 ))
             })?;
-        Ok(PgStore { pool })
+        Ok(PgStore {
+            pool,
+            gate: Arc::new(RwLock::new(())),
+        })
     }
 
     /// Runs `f` in a `SERIALIZABLE` transaction and commits; runs it again
     /// on a serialization failure or a deadlock (see the module's text).
+    ///
+    /// Contention: the commands that touch one hot row (a merchant every
+    /// charge credits) all conflict, and under serializable isolation a
+    /// conflict is a failure, not a wait; retried blindly, such a command can
+    /// lose again and again to fresh ones. So a command that lost
+    /// [`ESCALATE_AFTER`] times runs its next attempts alone in this process
+    /// (the gate's write side; every first attempt takes the read side): it
+    /// then conflicts only with other nodes' commands, of which a few at most
+    /// are ever escalated at once, and one of each conflict commits.
     pub fn write<T>(&self, mut f: impl FnMut(&dyn Db) -> Result<T>) -> Result<T> {
         let mut attempt = 0;
         loop {
-            match self.transaction("BEGIN ISOLATION LEVEL SERIALIZABLE", &mut f) {
+            let outcome = if attempt < ESCALATE_AFTER {
+                let _shared = self.gate.read().unwrap_or_else(PoisonError::into_inner);
+                self.transaction("BEGIN ISOLATION LEVEL SERIALIZABLE", &mut f)
+            } else {
+                let _alone = self.gate.write().unwrap_or_else(PoisonError::into_inner);
+                self.transaction("BEGIN ISOLATION LEVEL SERIALIZABLE", &mut f)
+            };
+            match outcome {
                 Err(e) if is_retryable(&e) && attempt < RETRIES_MAX => {
                     attempt += 1;
                     // Spread the retries of the commands that collided.

@@ -654,3 +654,19 @@ impl idem::acquirer::Acquirer for CountingAcquirer {
         self.inner.refund(key, authorization, amount, deadline)
     }
 }
+
+/// The acquirer simulator's file of the database `db`: beside an SQLite
+/// file, or the one [`acquirer_store`] names for a PostgreSQL database.
+pub fn simulator_file(db: &Path) -> PathBuf {
+    acquirer_store(db).unwrap_or_else(|| idem::acquirer::Simulator::store_path(db))
+}
+
+/// The simulator's journal of calls for the database `db` (either backend).
+pub fn journal(db: &Path) -> idem::Result<Vec<idem::acquirer::Call>> {
+    idem::acquirer::Simulator::journal_of_file(&simulator_file(db))
+}
+
+/// The authorizations the simulator of the database `db` remembers.
+pub fn authorizations(db: &Path) -> idem::Result<Vec<idem::acquirer::StoredAuthorization>> {
+    idem::acquirer::Simulator::authorizations_of_file(&simulator_file(db))
+}
