@@ -330,6 +330,8 @@ pub fn acquirer_store(db: &Path) -> Option<PathBuf> {
     if !url.starts_with("postgres://") {
         return None;
     }
+    // Without the query (`?sslmode=…`): one database, one file.
+    let url = url.split('?').next().unwrap();
     let name = url.rsplit('/').next().unwrap();
     Some(std::env::temp_dir().join(format!("{name}.acquirer.sqlite")))
 }
