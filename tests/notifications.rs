@@ -11,7 +11,6 @@ use std::path::Path;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use idem::acquirer::Simulator;
 use serde_json::{json, Value};
 use support::{charge_body, ChildServer, Client, Resp, TempDir};
 
@@ -119,8 +118,7 @@ fn ok(r: &Resp) -> Value {
 }
 
 fn embedded(dir: &TempDir, configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Client) {
-    let mut config = idem::Config::new(dir.db());
-    config.addr = "127.0.0.1:0".parse().unwrap();
+    let mut config = support::config(dir);
     configure(&mut config);
     let server = idem::Server::start(config).expect("start server");
     let client = Client::new(server.addr(), server.initial_key().expect("default key"));
