@@ -45,6 +45,9 @@ pub const ESCALATE_AFTER: u32 = 2;
 /// and filled again, so statements built at run time cannot grow it forever.
 const STATEMENT_CACHE_MAX: usize = 512;
 
+/// How long opening the database waits for its first connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The key of the transaction-scoped advisory lock that serialises schema
 /// creation between nodes starting at once ("idem" in ASCII).
 const MIGRATION_LOCK: i64 = 0x6964_656d;
@@ -117,17 +120,27 @@ impl PgStore {
             ))
         })?;
         let target = describe(&config);
+        let refused = |why: String| {
+            Error::Other(format!(
+                "cannot connect to PostgreSQL at {target}: {why}; check that the server is \
+                 running, the database exists and the user may log in"
+            ))
+        };
+        // The first connection is made here, not by the pool's builder: that
+        // one retries until its timeout and keeps only "db error", where
+        // PostgreSQL says at once why it refuses (no such database, a login
+        // refused).
+        let mut first = config.clone();
+        if first.get_connect_timeout().is_none() {
+            first.connect_timeout(CONNECT_TIMEOUT);
+        }
+        drop(first.connect(NoTls).map_err(|e| refused(reason(&e)))?);
         let pool = r2d2::Pool::builder()
             .max_size(size as u32)
             .min_idle(Some(1))
-            .connection_timeout(Duration::from_secs(10))
+            .connection_timeout(CONNECT_TIMEOUT)
             .build(Manager { config })
-            .map_err(|e| {
-                Error::Other(format!(
-                    "cannot connect to PostgreSQL at {target}: {e}; check that the server is \
-                     running, the database exists and the user may log in"
-                ))
-            })?;
+            .map_err(|e| refused(e.to_string()))?;
         Ok(PgStore {
             pool,
             gate: Arc::new(RwLock::new(())),
@@ -285,6 +298,16 @@ impl PgStore {
             }
             db.query_value("SELECT coalesce(max(version), 0) FROM schema_migrations", &[])
         })
+    }
+}
+
+/// Why a connection failed: PostgreSQL's own message, or the client's error
+/// and its cause (`postgres::Error` alone says "db error").
+fn reason(e: &postgres::Error) -> String {
+    match (e.as_db_error(), e.source()) {
+        (Some(db), _) => db.message().to_owned(),
+        (None, Some(cause)) => format!("{e}: {cause}"),
+        (None, None) => e.to_string(),
     }
 }
 
