@@ -68,7 +68,7 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Db(e) => write!(f, "database error: {e}"),
-            Error::Postgres(e) => write!(f, "PostgreSQL error: {e}"),
+            Error::Postgres(e) => write!(f, "PostgreSQL error: {}", crate::store::pg_reason(e)),
             Error::Pool(e) => write!(f, "database pool error: {e}"),
             Error::Io(e) => write!(f, "i/o error: {e}"),
             Error::Unavailable(why) => write!(f, "temporarily unavailable: {why}"),

@@ -4,6 +4,7 @@
 mod support;
 
 use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -19,6 +20,64 @@ fn idem(args: &[&str]) -> std::process::Output {
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// `--acquirer-store FILE` for a PostgreSQL `db` (what `serve`, `verify`
+/// and `keys` need there, so that they fail for the reason a test means and
+/// not for its absence); nothing beside an SQLite file.
+fn store_args(db: &Path) -> Vec<String> {
+    support::acquirer_store(db)
+        .map(|p| vec!["--acquirer-store".into(), p.to_str().unwrap().into()])
+        .unwrap_or_default()
+}
+
+/// `args` followed by `--db DB` and its [`store_args`].
+fn on_db<'a>(db: &'a Path, args: &[&'a str], store: &'a [String]) -> Vec<&'a str> {
+    let mut all = args.to_vec();
+    all.extend(["--db", db.to_str().unwrap()]);
+    all.extend(store.iter().map(String::as_str));
+    all
+}
+
+/// The tables of a PostgreSQL database's public schema.
+fn pg_tables(db: &Path) -> i64 {
+    support::inspect(db, |c| {
+        c.query_value(
+            "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'",
+            &[],
+        )
+    })
+}
+
+/// Whether anything of the database `db` was created: the SQLite file, or
+/// (the test's PostgreSQL database always exists, empty) a table in it or
+/// its simulator's file.
+fn created(db: &Path) -> bool {
+    match support::acquirer_store(db) {
+        None => db.exists(),
+        Some(store) => store.exists() || pg_tables(db) > 0,
+    }
+}
+
+/// Makes `db`'s schema version `version`, as a newer idem would have: in
+/// SQLite's `user_version`, or a row of PostgreSQL's `schema_migrations`.
+fn set_schema_version(db: &Path, version: i64) {
+    match db.to_str().filter(|_| support::on_postgres()) {
+        Some(url) => {
+            postgres::Client::connect(url, postgres::NoTls)
+                .unwrap()
+                .execute(
+                    "INSERT INTO schema_migrations (version, name, applied_at, applied_by) \
+                     VALUES ($1, 'from the future', 0, 'a test')",
+                    &[&version],
+                )
+                .unwrap();
+        }
+        None => rusqlite::Connection::open(db)
+            .unwrap()
+            .pragma_update(None, "user_version", version)
+            .unwrap(),
+    }
 }
 
 #[test]
@@ -101,6 +160,21 @@ fn consumers_create_prints_the_key_once_and_stores_only_its_hash() {
             "key in {file:?}"
         );
     }
+    // Only the hash is in the PostgreSQL database: every column of the
+    // consumer's row, as text (a blob in hex).
+    if let Some(url) = db.to_str().filter(|_| support::on_postgres()) {
+        let rows = postgres::Client::connect(url, postgres::NoTls)
+            .unwrap()
+            .query("SELECT c::text FROM consumers c", &[])
+            .unwrap();
+        assert_eq!(rows.len(), 1);
+        let secret = std::str::from_utf8(secret).unwrap();
+        let hex: String = secret.bytes().map(|b| format!("{b:02x}")).collect();
+        for row in rows {
+            let row: String = row.get(0);
+            assert!(!row.contains(secret) && !row.contains(&hex), "key in {row}");
+        }
+    }
     // The key works against a server on that database.
     let server = ChildServer::start(&db, &[], &[]);
     assert!(
@@ -111,22 +185,66 @@ fn consumers_create_prints_the_key_once_and_stores_only_its_hash() {
     assert_eq!(client.get("/v1/charges").status, 200);
 }
 
+/// A read command on a database that is not there says so and creates
+/// nothing. On PostgreSQL the test's database exists, empty: what is missing
+/// is idem's schema; and a mistyped database name is refused by the server,
+/// with its reason.
 #[test]
 fn read_commands_report_a_missing_database() {
     let dir = TempDir::new("verify-missing");
     let db = dir.db();
-    for command in [&["verify"][..], &["consumers", "list"]] {
-        let mut args = command.to_vec();
-        args.extend(["--db", db.to_str().unwrap()]);
+    let store = store_args(&db);
+    let says = if support::on_postgres() {
+        "no idem schema"
+    } else {
+        "no database"
+    };
+    let commands = [&["verify"][..], &["consumers", "list"]];
+    for command in commands {
+        let args = on_db(&db, command, &store);
         let out = idem(&args);
-        assert_eq!(out.status.code(), Some(1), "{args:?}");
-        assert!(
-            text(&out.stderr).contains("no database"),
-            "{}",
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{args:?}: {}",
             text(&out.stderr)
         );
+        assert!(text(&out.stderr).contains(says), "{}", text(&out.stderr));
     }
-    assert!(!dir.db().exists(), "a mistyped --db creates nothing");
+    assert!(!created(&db), "a mistyped --db creates nothing");
+
+    let Some(url) = db.to_str().filter(|_| support::on_postgres()) else {
+        return;
+    };
+    let typo = format!("{url}_typo");
+    for command in commands {
+        let args = on_db(Path::new(&typo), command, &store);
+        let started = std::time::Instant::now();
+        let out = idem(&args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("cannot connect to PostgreSQL") && stderr.contains("does not exist"),
+            "PostgreSQL's reason is given: {stderr}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "refused at once, not after a pool's timeout: {:?}",
+            started.elapsed()
+        );
+    }
+    let name = typo.rsplit('/').next().unwrap();
+    let admin = support::postgres_admin().unwrap();
+    let databases: i64 = postgres::Client::connect(&admin, postgres::NoTls)
+        .unwrap()
+        .query_one(
+            "SELECT count(*) FROM pg_database WHERE datname = $1",
+            &[&name],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(databases, 0, "the mistyped database is not created");
+    assert!(!created(&db));
 }
 
 #[test]
@@ -145,46 +263,42 @@ fn serve_refuses_what_it_cannot_run_on() {
         0,
         "nothing created"
     );
+    let store = store_args(&db);
     let fault = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args([
-            "serve",
-            "--db",
-            db.to_str().unwrap(),
-            "--addr",
-            "127.0.0.1:0",
-        ])
+        .args(on_db(&db, &["serve", "--addr", "127.0.0.1:0"], &store))
         .env("IDEM_FAULT", "nowhere")
         .output()
         .unwrap();
-    assert_eq!(fault.status.code(), Some(2));
+    assert_eq!(fault.status.code(), Some(2), "{}", text(&fault.stderr));
+    assert!(
+        text(&fault.stderr).contains("IDEM_FAULT"),
+        "{}",
+        text(&fault.stderr)
+    );
 
     let first = ChildServer::start(&db, &[], &[]);
-    let second = idem(&[
-        "serve",
-        "--db",
-        db.to_str().unwrap(),
-        "--addr",
-        "127.0.0.1:0",
-    ]);
-    assert_eq!(second.status.code(), Some(1));
-    assert!(
-        text(&second.stderr).contains("locked by another idem serve"),
-        "{}",
-        text(&second.stderr)
-    );
+    if support::on_postgres() {
+        // PostgreSQL is shared: a second server starts beside the first,
+        // and the first's consumer is known to it.
+        let second = ChildServer::start(&db, &[], &[]);
+        assert_eq!(second.initial_key, None, "one default consumer");
+        let key = first.initial_key.as_deref().expect("the first start's key");
+        assert_eq!(Client::new(second.addr, key).get("/v1/charges").status, 200);
+        second.kill();
+    } else {
+        let second = idem(&on_db(&db, &["serve", "--addr", "127.0.0.1:0"], &store));
+        assert_eq!(second.status.code(), Some(1));
+        assert!(
+            text(&second.stderr).contains("locked by another idem serve"),
+            "{}",
+            text(&second.stderr)
+        );
+    }
     first.kill();
 
-    let conn = rusqlite::Connection::open(&db).unwrap();
-    conn.pragma_update(None, "user_version", 99).unwrap();
-    drop(conn);
-    let newer = idem(&[
-        "serve",
-        "--db",
-        db.to_str().unwrap(),
-        "--addr",
-        "127.0.0.1:0",
-    ]);
-    assert_eq!(newer.status.code(), Some(1));
+    set_schema_version(&db, 99);
+    let newer = idem(&on_db(&db, &["serve", "--addr", "127.0.0.1:0"], &store));
+    assert_eq!(newer.status.code(), Some(1), "{}", text(&newer.stderr));
     let stderr = text(&newer.stderr);
     assert!(
         stderr.contains("newer") && stderr.lines().count() == 1,
@@ -194,12 +308,13 @@ fn serve_refuses_what_it_cannot_run_on() {
 
 /// Runs `idem serve` on a fresh database with `args` and `env`; returns its
 /// exit code (`None`: still running after 10 s, then killed), its stderr,
-/// and whether the directory is still empty.
+/// and whether the directory (and the database) is still empty.
 fn serve_once(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, bool) {
     let dir = TempDir::new("serve-once");
     let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(["serve", "--addr", "127.0.0.1:0", "--db"])
         .arg(dir.db())
+        .args(store_args(&dir.db()))
         .args(args)
         .envs(env.iter().copied())
         .stdout(std::process::Stdio::null())
@@ -220,7 +335,7 @@ fn serve_once(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, bool
     };
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
-    let empty = std::fs::read_dir(&dir.0).unwrap().count() == 0;
+    let empty = std::fs::read_dir(&dir.0).unwrap().count() == 0 && !created(&dir.db());
     (code, stderr, empty)
 }
 
@@ -274,21 +389,21 @@ fn serve_refuses_an_acquirer_timeout_that_does_not_fit() {
 fn environment_variables_configure_serve() {
     let dir = TempDir::new("env");
     let db = dir.db();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_idem"));
+    serve
         .arg("serve")
         .env("IDEM_DB", &db)
         .env("IDEM_ADDR", "127.0.0.1:0")
-        .env("IDEM_KEY_RETENTION", "bogus")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    assert_eq!(
-        child.wait().unwrap().code(),
-        Some(2),
-        "IDEM_KEY_RETENTION is read"
-    );
+        .stderr(std::process::Stdio::piped());
+    if let Some(store) = support::acquirer_store(&db) {
+        serve.env("IDEM_ACQUIRER_STORE", store);
+    }
+    let out = serve.env("IDEM_KEY_RETENTION", "bogus").output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "IDEM_KEY_RETENTION is read");
+    assert!(text(&out.stderr).contains("bogus"), "{}", text(&out.stderr));
+    assert!(!created(&db));
     let s = ChildServer::start(&db, &[], &[("IDEM_ACQUIRER_LATENCY", "1ms")]);
-    assert!(db.exists(), "IDEM_DB/--db names the file");
+    assert!(created(&db), "IDEM_DB/--db names the database");
     assert!(
         s.initial_key.is_some(),
         "first start creates the default consumer"
@@ -321,10 +436,7 @@ fn sigterm_finishes_in_flight_requests_and_exits_0() {
         let status = server.wait_exit(Duration::from_secs(10));
         assert_eq!(status.code(), Some(0), "SIG{signal}: clean shutdown");
         support::assert_verified(&db);
-        let conn = rusqlite::Connection::open(&db).unwrap();
-        let n: i64 = conn
-            .query_row("SELECT count(*) FROM charges", [], |r| r.get(0))
-            .unwrap();
+        let n: i64 = support::inspect(&db, |c| c.query_value("SELECT count(*) FROM charges", &[]));
         assert_eq!(n, 1);
     }
 }
@@ -340,6 +452,7 @@ fn serve_with_nofile(soft: u32, hard: u32) -> (String, u64) {
         .arg(env!("CARGO_BIN_EXE_idem"))
         .args(["serve", "--addr", "127.0.0.1:0", "--db"])
         .arg(dir.db())
+        .args(store_args(&dir.db()))
         .env("RUST_LOG", "warn")
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -353,6 +466,7 @@ fn serve_with_nofile(soft: u32, hard: u32) -> (String, u64) {
             break;
         }
     }
+    assert!(seen.contains("listening on"), "idem serve started: {seen}");
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
     let _ = child.kill();
     let _ = child.wait();
@@ -387,6 +501,7 @@ fn serve_on(db: &std::path::Path, args: &[&str]) -> std::process::Output {
         .arg("serve")
         .arg("--db")
         .arg(db)
+        .args(store_args(db))
         .args(args)
         .env_remove("IDEM_FAULT")
         .output()
@@ -394,10 +509,7 @@ fn serve_on(db: &std::path::Path, args: &[&str]) -> std::process::Output {
 }
 
 fn consumer_count(db: &std::path::Path) -> i64 {
-    rusqlite::Connection::open(db)
-        .unwrap()
-        .query_row("SELECT count(*) FROM consumers", [], |r| r.get(0))
-        .unwrap()
+    support::inspect(db, |c| c.query_value("SELECT count(*) FROM consumers", &[]))
 }
 
 #[test]
@@ -524,14 +636,9 @@ fn database_paths_that_cannot_work_are_named_with_what_to_do() {
 fn addr_takes_host_names_and_help_says_which_commands_create_the_database() {
     let dir = TempDir::new("addr");
     let db = dir.db();
+    let store = store_args(&db);
     let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args([
-            "serve",
-            "--db",
-            db.to_str().unwrap(),
-            "--addr",
-            "localhost:0",
-        ])
+        .args(on_db(&db, &["serve", "--addr", "localhost:0"], &store))
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -552,8 +659,13 @@ fn addr_takes_host_names_and_help_says_which_commands_create_the_database() {
         ":8080",
         "localhost:99999",
     ] {
-        let out = idem(&["serve", "--db", db.to_str().unwrap(), "--addr", bad]);
+        let out = idem(&on_db(&db, &["serve", "--addr", bad], &store));
         assert_eq!(out.status.code(), Some(2), "{bad}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains("--addr"),
+            "{bad}: {}",
+            text(&out.stderr)
+        );
     }
 
     for command in [

@@ -14,14 +14,20 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use support::{assert_verified, charge_body, ChildServer, Client, TempDir};
 
-/// `idem keys ARGS --db DB`, with no `IDEM_*` from the test's environment.
+/// `idem keys ARGS --db DB`, with no `IDEM_*` from the test's environment;
+/// on PostgreSQL with the `--acquirer-store` its servers use (`evict` asks
+/// the simulator whether it has seen an operation).
 fn keys(db: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_idem"))
-        .arg("keys")
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    if let Some(store) = support::acquirer_store(db) {
+        cmd.arg("--acquirer-store").arg(store);
+    }
+    cmd.arg("keys")
         .args(args)
         .arg("--db")
         .arg(db)
         .env_remove("IDEM_DB")
+        .env_remove("IDEM_ACQUIRER_STORE")
         .env_remove("IDEM_INFLIGHT_TIMEOUT")
         .output()
         .expect("run idem keys")
@@ -146,11 +152,11 @@ fn a_completed_key_is_listed_shown_and_evicted_while_the_server_runs() {
 fn a_live_key_in_progress_is_never_evicted() {
     // An in-process server whose acquirer takes 2 s: an async charge holds
     // its key in progress, its owner alive, while the CLI tries.
-    let server = idem::Server::start_temporary(|config| {
-        config.acquirer_latency = Duration::from_secs(2);
-    })
-    .expect("start server");
-    let db = server.db_path().to_path_buf();
+    let dir = TempDir::new("keys-live");
+    let mut config = support::config(&dir);
+    config.acquirer_latency = Duration::from_secs(2);
+    let server = idem::Server::start(config).expect("start server");
+    let db = dir.db();
     let client = Client::new(server.addr(), server.initial_key().unwrap());
     client.card_and_shop();
     let accepted = client.request(
@@ -181,7 +187,7 @@ fn a_live_key_in_progress_is_never_evicted() {
     let evicted: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(evicted["evicted"]["state"], "completed");
     assert_eq!(evicted["released_charge"], Value::Null);
-    // The temporary database goes with the server: verify it beside it.
+    // Verified beside the running server.
     assert_verified(&db);
     server.shutdown();
 }
@@ -477,6 +483,12 @@ fn help_and_bad_usage() {
             text(&out.stderr)
         );
     }
-    // A database that is not there is a failure, not bad usage.
-    keys_fail(&db, &["list"], "no database at");
+    // A database that is not there is a failure, not bad usage (on
+    // PostgreSQL the test's database is there, without idem's schema).
+    let missing = if support::on_postgres() {
+        "no idem schema"
+    } else {
+        "no database at"
+    };
+    keys_fail(&db, &["list"], missing);
 }

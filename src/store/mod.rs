@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 pub use migrations::{migrate, SCHEMA_VERSION};
 pub use readers::Readers;
 pub(crate) use sql::params;
+pub(crate) use postgres::reason as pg_reason;
 pub use postgres::PgStore;
 
 /// Whether `--db` names a PostgreSQL database rather than an SQLite file.

@@ -46,6 +46,9 @@ pub const ESCALATE_AFTER: u32 = 2;
 /// and filled again, so statements built at run time cannot grow it forever.
 const STATEMENT_CACHE_MAX: usize = 512;
 
+/// How long opening the database waits for its first connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The key of the transaction-scoped advisory lock that serialises schema
 /// creation between nodes starting at once ("idem" in ASCII).
 const MIGRATION_LOCK: i64 = 0x6964_656d;
@@ -136,19 +139,31 @@ impl PgStore {
             _ => None,
         };
         let target = describe(&config);
+        let refused = |why: String| {
+            Error::Other(format!(
+                "cannot connect to PostgreSQL at {target}: {why}; check that the server is \
+                 running, the database exists and the user may log in (with \
+                 sslmode=require, that its certificate verifies against sslrootcert=… or a \
+                 public CA)"
+            ))
+        };
+        // The first connection is made here, not by the pool's builder: that
+        // one retries until its timeout and keeps only "db error", where
+        // PostgreSQL says at once why it refuses (no such database, a login
+        // refused).
+        let mut first = config.clone();
+        if first.get_connect_timeout().is_none() {
+            first.connect_timeout(CONNECT_TIMEOUT);
+        }
+        let first = Manager { config: first, tls: tls.clone() };
+        drop(r2d2::ManageConnection::connect(&first).map_err(|e| refused(reason(&e)))?);
+        let manager = Manager { config, tls };
         let pool = r2d2::Pool::builder()
             .max_size(size as u32)
             .min_idle(Some(1))
-            .connection_timeout(Duration::from_secs(10))
-            .build(Manager { config, tls })
-            .map_err(|e| {
-                Error::Other(format!(
-                    "cannot connect to PostgreSQL at {target}: {e}; check that the server is \
-                     running, the database exists and the user may log in (with \
-                     sslmode=require, that its certificate verifies against sslrootcert=… or \
-                     a public CA)"
-                ))
-            })?;
+            .connection_timeout(CONNECT_TIMEOUT)
+            .build(manager)
+            .map_err(|e| refused(e.to_string()))?;
         Ok(PgStore {
             pool,
             gate: Arc::new(RwLock::new(())),
@@ -363,6 +378,16 @@ fn tls_connector(root_file: Option<&std::path::Path>) -> Result<MakeRustlsConnec
             .with_root_certificates(roots)
             .with_no_client_auth();
     Ok(MakeRustlsConnect::new(config))
+}
+
+/// Why a connection failed: PostgreSQL's own message, or the client's error
+/// and its cause (`postgres::Error` alone says "db error").
+pub(crate) fn reason(e: &postgres::Error) -> String {
+    match (e.as_db_error(), e.source()) {
+        (Some(db), _) => db.message().to_owned(),
+        (None, Some(cause)) => format!("{e}: {cause}"),
+        (None, None) => e.to_string(),
+    }
 }
 
 /// Host, port and database of a configuration, for messages (no password).
