@@ -114,6 +114,15 @@ fn charge_until_final(client: &Client, key: &str, body: &Value) -> (Resp, Retrie
     }
 }
 
+/// A counter from a node's `/metrics`.
+fn metric(client: &Client, name: &str) -> u64 {
+    let text = String::from_utf8(client.get("/metrics").body).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name}"))
+}
+
 /// Asserts that every node is still running (none died along the way, so
 /// all of them took part).
 fn all_alive(nodes: &mut [ChildServer]) {
@@ -326,6 +335,92 @@ fn an_owner_killed_on_one_node_is_taken_over_on_another_and_fenced() {
         .filter(|c| c.kind == CallKind::Authorize && c.created)
         .collect();
     assert_eq!(made.len(), 1, "one authorization: {made:?}");
+    support::assert_verified(&db);
+}
+
+/// Orphans nobody retries: node A is SIGKILLed with charges in flight,
+/// and the reapers of nodes B and C (both passing every 100 ms) find them
+/// all once they are past the in-flight timeout. Each is taken over once
+/// (generation 2, the nodes' takeover counts add up), one charge each.
+#[test]
+fn orphans_of_a_killed_node_are_completed_once_by_the_other_nodes_reapers() {
+    if without_postgres() {
+        return;
+    }
+    const ORPHANS: usize = 6;
+    let dir = TempDir::new("mn-orphans");
+    let db = dir.db();
+    let reaper: &[&str] = &["--inflight-timeout", "2s", "--reaper-interval", "100ms"];
+    let (mut nodes, key) = start_nodes(
+        &db,
+        &[
+            &["--acquirer-latency", "2s", "--reaper-interval", "1h"],
+            reaper,
+            reaper,
+        ],
+    );
+    let clients = clients(&nodes, &key);
+    clients[0].card_and_shop();
+
+    let pending: Vec<_> = (0..ORPHANS)
+        .map(|i| {
+            let a = clients[0].clone();
+            std::thread::spawn(move || {
+                a.try_request(
+                    "POST",
+                    "/v1/charges",
+                    &[("Idempotency-Key", &format!("orphan-{i}"))],
+                    &charge_body(100).to_string(),
+                )
+            })
+        })
+        .collect();
+    for i in 0..ORPHANS {
+        support::wait_for_key(&db, &format!("orphan-{i}"));
+    }
+    nodes.remove(0).kill();
+    for p in pending {
+        assert!(p.join().unwrap().is_err(), "no answer from a killed node");
+    }
+
+    support::eventually(Duration::from_secs(60), || {
+        (count(
+            &db,
+            "SELECT count(*) FROM idempotency_keys WHERE state = 'completed' \
+             AND key LIKE 'orphan-%'",
+        ) == ORPHANS as i64)
+            .then_some(())
+    });
+    // More passes on both nodes: none may take a completed key over.
+    std::thread::sleep(Duration::from_millis(500));
+    let generations: Vec<(String, i64)> = support::inspect(&db, |c| {
+        c.query_all(
+            "SELECT key, generation FROM idempotency_keys WHERE key LIKE 'orphan-%' ORDER BY key",
+            &[],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+    });
+    assert!(
+        generations.iter().all(|(_, g)| *g == 2),
+        "each orphan taken over once: {generations:?}"
+    );
+    let taken_over: Vec<u64> = clients[1..]
+        .iter()
+        .map(|c| metric(c, "idem_orphans_taken_over_total"))
+        .collect();
+    eprintln!("orphans taken over by node: {taken_over:?}");
+    assert_eq!(taken_over.iter().sum::<u64>(), ORPHANS as u64);
+
+    let late = clients[2].charge("orphan-0", &charge_body(100));
+    assert_eq!(late.status, 201, "{}", text(&late));
+    assert!(late.replayed(), "a reaper completed the key");
+    assert_eq!(clients[1].all_charges().len(), ORPHANS);
+    assert_eq!(clients[2].balance("shop"), 100 * ORPHANS as i64);
+    let made = journal(&db)
+        .into_iter()
+        .filter(|c| c.kind == CallKind::Authorize && c.created)
+        .count();
+    assert_eq!(made, ORPHANS, "one authorization per orphan");
     support::assert_verified(&db);
 }
 
@@ -668,13 +763,7 @@ fn hold_expiry_runs_on_every_node_and_voids_each_hold_once() {
 
     let released: Vec<u64> = clients
         .iter()
-        .map(|c| {
-            let text = String::from_utf8(c.get("/metrics").body).unwrap();
-            text.lines()
-                .find_map(|l| l.strip_prefix("idem_authorizations_expired_total "))
-                .and_then(|v| v.trim().parse().ok())
-                .expect("idem_authorizations_expired_total")
-        })
+        .map(|c| metric(c, "idem_authorizations_expired_total"))
         .collect();
     eprintln!("holds released by node: {released:?}");
     assert_eq!(
