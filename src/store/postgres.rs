@@ -7,7 +7,7 @@
 //! commands ran one at a time, which is what the domain's SQL (written for
 //! SQLite's single writer: read, decide, write) relies on. A command that
 //! loses a race gets a serialization failure (or a deadlock) and is run
-//! again from the start on a fresh snapshot, up to [`RETRIES_MAX`] times;
+//! again from the start on a fresh snapshot, for up to [`RETRY_BUDGET`];
 //! so a write command must have no effect outside the database. Unique
 //! constraints still decide what a retry cannot (two nodes inserting one
 //! key). Reads run in a `REPEATABLE READ READ ONLY` transaction: one
@@ -34,9 +34,11 @@ use super::sql::{Arg, Db, Dialect, Row, Value};
 use super::migrations::{Migrated, SCHEMA_VERSION, STEPS};
 use crate::error::{Error, Result};
 
-/// How many times a write command that lost a serialization race runs again
-/// before its caller gets the error (a 503: the request may be retried).
-pub const RETRIES_MAX: u32 = 64;
+/// How long a write command that keeps losing serialization races is run
+/// again before its caller gets the error (a 503: the request may be
+/// retried). A hot row under three nodes' load can need dozens of attempts;
+/// a budget in time rather than a count keeps such a charge answered.
+pub const RETRY_BUDGET: Duration = Duration::from_secs(10);
 
 /// After this many serialization failures a write command's next attempts
 /// run alone in this process (see [`PgStore::write`]).
@@ -182,7 +184,8 @@ impl PgStore {
     /// then conflicts only with other nodes' commands, of which a few at most
     /// are ever escalated at once, and one of each conflict commits.
     pub fn write<T>(&self, mut f: impl FnMut(&dyn Db) -> Result<T>) -> Result<T> {
-        let mut attempt = 0;
+        let started = std::time::Instant::now();
+        let mut attempt: u32 = 0;
         loop {
             let outcome = if attempt < ESCALATE_AFTER {
                 let _shared = self.gate.read().unwrap_or_else(PoisonError::into_inner);
@@ -192,11 +195,14 @@ impl PgStore {
                 self.transaction("BEGIN ISOLATION LEVEL SERIALIZABLE", &mut f)
             };
             match outcome {
-                Err(e) if is_retryable(&e) && attempt < RETRIES_MAX => {
-                    attempt += 1;
-                    // Spread the retries of the commands that collided.
-                    let jitter = u64::from(uuid::Uuid::new_v4().as_bytes()[0]) % 4;
-                    std::thread::sleep(Duration::from_millis(u64::from(attempt.min(8)) + jitter));
+                Err(e) if is_retryable(&e) && started.elapsed() < RETRY_BUDGET => {
+                    attempt = attempt.saturating_add(1);
+                    // Capped exponential backoff with jitter (half to all of
+                    // it), so that the commands that collided spread out.
+                    let cap = 1u64 << attempt.min(5);
+                    let jitter = u64::from(uuid::Uuid::new_v4().as_bytes()[0]);
+                    let micros = cap * 1000 / 2 + cap * 1000 / 2 * jitter / 255;
+                    std::thread::sleep(Duration::from_micros(micros));
                 }
                 other => return other,
             }
@@ -384,7 +390,7 @@ fn tls_connector(root_file: Option<&std::path::Path>) -> Result<MakeRustlsConnec
 /// and its cause (`postgres::Error` alone says "db error").
 pub(crate) fn reason(e: &postgres::Error) -> String {
     match (e.as_db_error(), e.source()) {
-        (Some(db), _) => db.message().to_owned(),
+        (Some(db), _) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
         (None, Some(cause)) => format!("{e}: {cause}"),
         (None, None) => e.to_string(),
     }
