@@ -76,6 +76,29 @@
 //! (and with the answers and the receiver's log) to show that each check
 //! fails when it should, and a third that the judge accepts exactly what the
 //! contract allows.
+//!
+//! Both backends, one set of checks: every read of the ledger goes through
+//! idem's storage interface (`idem::store::inspect`, a snapshot on
+//! PostgreSQL), in SQL both engines run; SQLite's own `integrity_check` and
+//! `foreign_key_check` run on a file only. With `IDEM_TEST_POSTGRES` set,
+//! each database is a fresh PostgreSQL one, and the acquirer simulator's
+//! file (SQLite on either backend) is the `--acquirer-store` its servers
+//! share. The tamper self-test then works on copies of the database
+//! (`CREATE DATABASE ... TEMPLATE`), with the tamperings that do not edit
+//! the simulator's file or SQLite's own structure.
+//!
+//! Three nodes (PostgreSQL only, `three_nodes_sigkilled_at_random_moves_money_once`):
+//! three `idem serve` on one database and one acquirer store. Each attempt
+//! of an intent goes to the next live node after the one its previous
+//! attempt went to, so a re-send after a kill, a transport error, a 409 or a
+//! 503 lands on another node: an owner killed on one node is taken over by
+//! a retry on another once `--inflight-timeout` has passed, or finished by
+//! any node's reaper. A random node is SIGKILLed at random moments and
+//! restarted; every `CLUSTER_KILL_EVERY`th kill takes all of them down at
+//! once. After a kill of one node the others write on, so what is checked
+//! then is what holds in any one snapshot: the SQL checks and every answer
+//! given before it. After a kill of all nodes and at the end, everything
+//! the one-node test checks.
 
 mod support;
 
