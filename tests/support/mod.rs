@@ -370,6 +370,53 @@ impl TempDir {
     }
 }
 
+impl TempDir {
+    /// A fresh directory and database holding a copy of this one's, and of
+    /// the acquirer simulator's file that goes with it: for a test that
+    /// tampers with a copy of a real database. On SQLite the files are
+    /// copied (checkpoint their WALs first); on PostgreSQL the database is
+    /// created from this one as its template, which no session may be
+    /// connected to (stop its servers first; the last sessions are waited
+    /// for).
+    pub fn copy(&self, tag: &str) -> TempDir {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let path = std::env::temp_dir().join(format!("idem-test-{tag}-{id}"));
+        std::fs::create_dir_all(&path).unwrap();
+        let (from_store, database) = match &self.1 {
+            None => {
+                std::fs::copy(self.db(), path.join("idem.db")).expect("copy the database");
+                (idem::acquirer::Simulator::store_path(&self.db()), None)
+            }
+            Some(url) => {
+                let admin = postgres_admin().expect("IDEM_TEST_POSTGRES");
+                let source = url.rsplit('/').next().unwrap();
+                let name = format!("idem_test_{id}");
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    let created = postgres_admin_client(&admin)
+                        .batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {source}"));
+                    match created {
+                        Ok(()) => break,
+                        Err(_) if Instant::now() < deadline => {
+                            std::thread::sleep(Duration::from_millis(100))
+                        }
+                        Err(e) => panic!("copy the database {source}: {e}"),
+                    }
+                }
+                let store = acquirer_store(Path::new(url)).expect("a PostgreSQL URL");
+                (store, Some(with_database(&admin, &name)))
+            }
+        };
+        let copy = TempDir(path, database);
+        let to_store = acquirer_store(&copy.db())
+            .unwrap_or_else(|| idem::acquirer::Simulator::store_path(&copy.db()));
+        if from_store.exists() {
+            std::fs::copy(&from_store, to_store).expect("copy the acquirer store");
+        }
+        copy
+    }
+}
+
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
