@@ -199,12 +199,7 @@ fn one_key_from_32_threads_on_three_nodes_moves_money_once() {
     assert_eq!(clients[1].balance("shop"), 4200);
     assert_eq!(clients[2].balance("card"), -4200);
     assert_eq!(count(&db, "SELECT count(*) FROM charges"), 1);
-    let made: Vec<Call> = journal(&db)
-        .into_iter()
-        .filter(|c| c.kind == CallKind::Authorize && c.created)
-        .collect();
-    assert_eq!(made.len(), 1, "one authorization: {made:?}");
-    support::assert_verified(&db);
+    assert_authorizations_and_verified(&db, 1);
 }
 
 /// A key reserved on node A (its acquirer call slow) is 409 on node B while
@@ -330,12 +325,7 @@ fn an_owner_killed_on_one_node_is_taken_over_on_another_and_fenced() {
     assert_eq!(b.all_charges().len(), 1);
     assert_eq!(b.balance("shop"), 900);
     assert_eq!(b.balance("card"), -900);
-    let made: Vec<Call> = journal(&db)
-        .into_iter()
-        .filter(|c| c.kind == CallKind::Authorize && c.created)
-        .collect();
-    assert_eq!(made.len(), 1, "one authorization: {made:?}");
-    support::assert_verified(&db);
+    assert_authorizations_and_verified(&db, 1);
 }
 
 /// Orphans nobody retries: node A is SIGKILLed with charges in flight,
@@ -416,12 +406,7 @@ fn orphans_of_a_killed_node_are_completed_once_by_the_other_nodes_reapers() {
     assert!(late.replayed(), "a reaper completed the key");
     assert_eq!(clients[1].all_charges().len(), ORPHANS);
     assert_eq!(clients[2].balance("shop"), 100 * ORPHANS as i64);
-    let made = journal(&db)
-        .into_iter()
-        .filter(|c| c.kind == CallKind::Authorize && c.created)
-        .count();
-    assert_eq!(made, ORPHANS, "one authorization per orphan");
-    support::assert_verified(&db);
+    assert_authorizations_and_verified(&db, ORPHANS);
 }
 
 /// A consumer created with `idem consumers create` while three nodes run
@@ -777,4 +762,15 @@ fn hold_expiry_runs_on_every_node_and_voids_each_hold_once() {
     }
     all_alive(&mut nodes);
     support::assert_verified(&db);
+}
+
+/// The acquirer made exactly `n` authorizations (one per charge: none twice
+/// across nodes), and `idem verify` passes.
+fn assert_authorizations_and_verified(db: &Path, n: usize) {
+    let made: Vec<Call> = journal(db)
+        .into_iter()
+        .filter(|c| c.kind == CallKind::Authorize && c.created)
+        .collect();
+    assert_eq!(made.len(), n, "one authorization per charge: {made:?}");
+    support::assert_verified(db);
 }

@@ -30,6 +30,19 @@ fn with_tls(db: &Path, params: &str) -> PathBuf {
     PathBuf::from(format!("{}?{params}", db.display()))
 }
 
+/// `idem migrate --db url`: its exit code and stderr.
+fn migrate(url: &Path) -> (Option<i32>, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["migrate", "--db"])
+        .arg(url)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// How many connections to the test's database are encrypted, seen from a
 /// plain connection of the test's own.
 fn encrypted_connections(db: &Path) -> i64 {
@@ -51,8 +64,6 @@ fn a_server_on_sslmode_require_talks_tls_and_moves_money() {
         &db,
         &format!("sslmode=require&sslrootcert={}", ca.display()),
     );
-    let store = support::acquirer_store(&db).unwrap();
-    let store_arg = store.to_str().unwrap();
     // ChildServer names the database's simulator file (the URL's query aside).
     let server = ChildServer::start(&url, &[], &[]);
     let client = Client::new(server.addr, server.initial_key.as_deref().unwrap());
@@ -63,19 +74,8 @@ fn a_server_on_sslmode_require_talks_tls_and_moves_money() {
     // Every connection of the server's pool is encrypted; the test's own
     // (plain, sslmode unset) is not counted.
     assert!(encrypted_connections(&db) >= 1);
-    let (code, report) = {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-            .args(["verify", "--acquirer-store", store_arg, "--db"])
-            .arg(&url)
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr),
-        )
-    };
-    assert_eq!(code, Some(0), "{report}");
+    let (code, report) = support::verify_cli(&url);
+    assert_eq!(code, 0, "{report}");
 }
 
 #[test]
@@ -85,13 +85,8 @@ fn a_certificate_that_does_not_verify_is_refused_with_a_reason() {
     let db = dir.db();
     // The Mozilla roots do not vouch for the test cluster's own CA.
     let url = with_tls(&db, "sslmode=require");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["migrate", "--db"])
-        .arg(&url)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let (code, stderr) = migrate(&url);
+    assert_eq!(code, Some(1), "{stderr}");
     assert!(stderr.contains("TLS"), "{stderr}");
     // Nothing was created: the database is still empty.
     let tables: i64 = support::inspect(&db, |c| {
@@ -108,12 +103,7 @@ fn a_certificate_that_does_not_verify_is_refused_with_a_reason() {
         &db,
         &format!("sslmode=require&sslrootcert={}", empty.display()),
     );
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["migrate", "--db"])
-        .arg(&url)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    let (code, stderr) = migrate(&url);
+    assert_ne!(code, Some(0), "{stderr}");
     assert!(stderr.contains("empty.pem"), "{stderr}");
 }
