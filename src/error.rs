@@ -68,7 +68,17 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Db(e) => write!(f, "database error: {e}"),
-            Error::Postgres(e) => write!(f, "PostgreSQL error: {e}"),
+            // The client's own text of a server error is only "db error":
+            // name what the server said, and its SQLSTATE.
+            Error::Postgres(e) => match e.as_db_error() {
+                Some(db) => write!(
+                    f,
+                    "PostgreSQL error: {} (SQLSTATE {})",
+                    db.message(),
+                    db.code().code()
+                ),
+                None => write!(f, "PostgreSQL error: {e}"),
+            },
             Error::Pool(e) => write!(f, "database pool error: {e}"),
             Error::Io(e) => write!(f, "i/o error: {e}"),
             Error::Unavailable(why) => write!(f, "temporarily unavailable: {why}"),
