@@ -3,13 +3,16 @@
 //! by tests/fixtures/make_v1.sh at commit c1e2973) migrates on `idem serve`
 //! and on `idem migrate`, verifies, and replays its stored answers byte for
 //! byte; a crash inside a step leaves the previous version; a newer
-//! database is refused untouched.
+//! database is refused untouched. All of that is about SQLite files; on
+//! PostgreSQL (`IDEM_TEST_POSTGRES`), `idem migrate` gives an empty database
+//! the schema once, and refuses one that holds other tables untouched.
 
 mod support;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 use serde_json::{json, Value};
@@ -240,6 +243,9 @@ fn schema_sql_and_the_numbered_steps_give_the_same_schema() {
 
 #[test]
 fn a_new_database_and_a_migrated_v1_database_have_the_same_schema() {
+    if support::skip_on_postgres("SQLite files and SQLite's migration steps") {
+        return;
+    }
     let dir = TempDir::new("mig-same");
     let fresh = dir.0.join("fresh.db");
     support::create_consumer_cli(&fresh, "someone");
@@ -330,6 +336,9 @@ fn stored_answers(db: &Path) -> Vec<(String, u16, Vec<u8>)> {
 
 #[test]
 fn a_v1_database_migrates_on_serve_verifies_and_replays_byte_for_byte() {
+    if support::skip_on_postgres("SQLite files and SQLite's migration steps") {
+        return;
+    }
     let dir = TempDir::new("mig-serve");
     let db = v1_copy(&dir);
     assert_eq!(user_version(&db), 1);
@@ -408,6 +417,9 @@ fn a_v1_database_migrates_on_serve_verifies_and_replays_byte_for_byte() {
 
 #[test]
 fn idem_migrate_migrates_once_and_then_has_nothing_to_do() {
+    if support::skip_on_postgres("SQLite files and SQLite's migration steps") {
+        return;
+    }
     let dir = TempDir::new("mig-cli");
     let db = v1_copy(&dir);
     let (code, out, err) = idem(&["migrate"], &db, &[]);
@@ -441,6 +453,9 @@ fn idem_migrate_migrates_once_and_then_has_nothing_to_do() {
 
 #[test]
 fn a_crash_inside_a_step_leaves_the_previous_version_and_the_next_run_finishes() {
+    if support::skip_on_postgres("SQLite files and SQLite's migration steps") {
+        return;
+    }
     let dir = TempDir::new("mig-crash");
     let db = v1_copy(&dir);
     let before = stored_answers(&db);
@@ -469,6 +484,9 @@ fn a_crash_inside_a_step_leaves_the_previous_version_and_the_next_run_finishes()
 
 #[test]
 fn a_newer_database_is_refused_naming_both_versions_and_left_untouched() {
+    if support::skip_on_postgres("SQLite files and SQLite's migration steps") {
+        return;
+    }
     let dir = TempDir::new("mig-newer");
     let db = v1_copy(&dir);
     let newer = idem::store::SCHEMA_VERSION + 1;
@@ -502,6 +520,9 @@ fn a_newer_database_is_refused_naming_both_versions_and_left_untouched() {
 
 #[test]
 fn a_backup_of_a_database_not_yet_migrated_checks_what_it_can_and_says_so() {
+    if support::skip_on_postgres("SQLite files and SQLite's migration steps") {
+        return;
+    }
     let dir = TempDir::new("mig-backup");
     let db = v1_copy(&dir);
     let out = dir.0.join("copy.db");
@@ -518,4 +539,216 @@ fn a_backup_of_a_database_not_yet_migrated_checks_what_it_can_and_says_so() {
     let (code, out_text, err) = idem(&["migrate"], &out, &[]);
     assert_eq!(code, 0, "{out_text}{err}");
     support::assert_verified(&out);
+}
+
+/// Runs `idem ARGS --db DB` with the `--acquirer-store` a PostgreSQL
+/// database's commands need, failing if it still runs after 30 s (a server
+/// that should have refused to start would otherwise hang the test):
+/// (exit code, stdout, stderr).
+fn idem_within(args: &[&str], db: &Path) -> (i32, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    cmd.args(args)
+        .arg("--db")
+        .arg(db)
+        .env_remove("IDEM_FAULT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(store) = support::acquirer_store(db) {
+        cmd.arg("--acquirer-store").arg(store);
+    }
+    let mut child = cmd.spawn().expect("run idem");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("try_wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "idem {args:?} still running after 30 s; stderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// "table.column" for every column of schema.sql's tables, as SQLite
+/// creates them.
+fn sqlite_columns() -> BTreeSet<String> {
+    let conn = Connection::open_in_memory().unwrap();
+    conn.execute_batch(&std::fs::read_to_string(SCHEMA).unwrap())
+        .unwrap();
+    let mut stmt = conn
+        .prepare(
+            "SELECT m.name || '.' || c.name FROM sqlite_master AS m, pragma_table_info(m.name) AS c \
+             WHERE m.type = 'table' AND m.name NOT LIKE 'sqlite_%'",
+        )
+        .unwrap();
+    stmt.query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap()
+}
+
+/// "table.column" for every column of the PostgreSQL database `db`'s own
+/// schema.
+fn postgres_columns(db: &Path) -> BTreeSet<String> {
+    support::inspect(db, |c| {
+        c.query_all(
+            "SELECT CAST(table_name AS TEXT) || '.' || CAST(column_name AS TEXT) \
+             FROM information_schema.columns WHERE table_schema = current_schema()",
+            &[],
+            |r| r.get(0),
+        )
+    })
+    .into_iter()
+    .collect()
+}
+
+/// The columns schema_postgres.sql has and schema.sql has not: the leases
+/// of servers sharing one database (a hold's expiry, a delivery).
+const POSTGRES_ONLY: [&str; 3] = [
+    "charges.expiry_leased_until",
+    "deliveries.leased_by",
+    "deliveries.leased_until",
+];
+
+/// `idem migrate --db URL` on an empty PostgreSQL database creates the
+/// schema in one go (every version recorded, the tables and columns of
+/// schema.sql and the leases), then has nothing to do; the new database verifies and a
+/// server starts on it.
+#[test]
+fn idem_migrate_gives_an_empty_postgres_database_the_schema_once() {
+    if !support::on_postgres() {
+        eprintln!("skipped on SQLite: about a PostgreSQL --db");
+        return;
+    }
+    let dir = TempDir::new("mig-pg-empty");
+    let db = dir.db();
+    assert_eq!(postgres_columns(&db), BTreeSet::new(), "an empty database");
+    let (code, out, err) = idem_within(&["migrate"], &db);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&format!(
+            "created the idem schema (version {})",
+            idem::store::SCHEMA_VERSION
+        )),
+        "{out}"
+    );
+    let history = |db: &Path| -> Vec<i64> {
+        support::inspect(db, |c| {
+            c.query_all(
+                "SELECT version FROM schema_migrations ORDER BY version",
+                &[],
+                |r| r.get(0),
+            )
+        })
+    };
+    assert_eq!(
+        history(&db),
+        (1..=idem::store::SCHEMA_VERSION).collect::<Vec<_>>()
+    );
+    // The tables and columns of schema.sql, and the leases that only
+    // servers sharing one PostgreSQL database take.
+    let columns = postgres_columns(&db);
+    let leases: BTreeSet<String> = POSTGRES_ONLY.iter().map(|c| c.to_string()).collect();
+    assert!(columns.is_superset(&leases), "{columns:#?}");
+    let shared: BTreeSet<String> = columns.difference(&leases).cloned().collect();
+    assert_eq!(
+        shared
+            .symmetric_difference(&sqlite_columns())
+            .collect::<Vec<_>>(),
+        Vec::<&String>::new(),
+        "schema_postgres.sql and schema.sql name the same tables and columns"
+    );
+
+    let (code, out, err) = idem_within(&["migrate"], &db);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&format!(
+            "at schema version {}: nothing to do",
+            idem::store::SCHEMA_VERSION
+        )),
+        "{out}"
+    );
+    assert_eq!(
+        history(&db),
+        (1..=idem::store::SCHEMA_VERSION).collect::<Vec<_>>()
+    );
+    assert_eq!(postgres_columns(&db), columns);
+    support::assert_verified(&db);
+    let server = ChildServer::start(&db, &[], &[]);
+    let client = Client::new(server.addr, server.initial_key.as_deref().unwrap());
+    client.card_and_shop();
+}
+
+/// What a PostgreSQL database holds in its own schema: every relation
+/// (tables, indexes, sequences) by name and kind, and the rows of
+/// `invoices`.
+fn postgres_contents(url: &str) -> (Vec<String>, Vec<(i64, i64)>) {
+    let mut pg = postgres::Client::connect(url, postgres::NoTls).expect("connect");
+    let relations = pg
+        .query(
+            "SELECT relname::text || ' ' || relkind::text FROM pg_class \
+             WHERE relnamespace = current_schema()::regnamespace ORDER BY 1",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let rows = pg
+        .query("SELECT id, total FROM invoices ORDER BY id", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    (relations, rows)
+}
+
+/// A PostgreSQL database that holds someone else's table is not an idem
+/// database: `idem migrate`, `idem serve` and `idem consumers create` refuse
+/// it saying so, `idem verify` refuses it, and not a relation or a row of
+/// it changes.
+#[test]
+fn a_postgres_database_holding_a_foreign_table_is_refused_untouched() {
+    if !support::on_postgres() {
+        eprintln!("skipped on SQLite: about a PostgreSQL --db");
+        return;
+    }
+    let dir = TempDir::new("mig-pg-foreign");
+    let db = dir.db();
+    let url = db.to_str().unwrap();
+    postgres::Client::connect(url, postgres::NoTls)
+        .unwrap()
+        .batch_execute(
+            "CREATE TABLE invoices (id BIGINT PRIMARY KEY, total BIGINT NOT NULL);
+             INSERT INTO invoices VALUES (1, 500), (2, 700);",
+        )
+        .unwrap();
+    let before = postgres_contents(url);
+    assert_eq!(before.0, ["invoices r", "invoices_pkey i"]);
+    for args in [
+        &["migrate"][..],
+        &["serve", "--addr", "127.0.0.1:0"],
+        &["consumers", "create", "someone"],
+    ] {
+        let (code, out, err) = idem_within(args, &db);
+        assert_eq!(code, 1, "{args:?}: {out}{err}");
+        assert!(
+            err.contains("no idem schema_migrations table") && err.contains("not an idem database"),
+            "{args:?}: {err}"
+        );
+        assert!(!out.contains("sk_"), "{args:?}: no key made: {out}");
+    }
+    let (code, report) = support::verify_cli(&db);
+    assert_eq!(code, 1, "{report}");
+    assert!(report.contains("schema version 0"), "{report}");
+    assert_eq!(postgres_contents(url), before, "nothing changed");
 }

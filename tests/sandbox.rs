@@ -14,8 +14,9 @@ use std::path::Path;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use idem::acquirer::{CallKind, Simulator};
+use idem::acquirer::CallKind;
 use idem::sandbox::{Directive, Simulation};
+use idem::store::Arg;
 use serde_json::{json, Value};
 use support::{assert_verified, charge_body, eventually, Client, Resp};
 
@@ -51,28 +52,24 @@ fn charge_with(client: &Client, key: &str, simulate: &str) -> std::io::Result<Re
 
 /// The key row of `key`: (state, recovery point, authorization, generation).
 fn key_row(db: &Path, key: &str) -> (String, String, Option<String>, i64) {
-    let conn =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-            .unwrap();
-    conn.query_row(
-        "SELECT state, recovery_point, authorization, generation FROM idempotency_keys \
-         WHERE key = ?1",
-        [key],
-        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
-    )
-    .unwrap_or_else(|e| panic!("key row {key}: {e}"))
+    support::inspect(db, |c| {
+        c.query_opt(
+            "SELECT state, recovery_point, \"authorization\", generation \
+             FROM idempotency_keys WHERE key = ?1",
+            &[&key as &dyn Arg],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )
+    })
+    .unwrap_or_else(|| panic!("no key row {key}"))
 }
 
 fn op_id(db: &Path, key: &str) -> String {
-    let conn =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-            .unwrap();
-    conn.query_row(
-        "SELECT op_id FROM idempotency_keys WHERE key = ?1",
-        [key],
-        |r| r.get(0),
-    )
-    .unwrap()
+    support::inspect(db, |c| {
+        c.query_value(
+            "SELECT op_id FROM idempotency_keys WHERE key = ?1",
+            &[&key as &dyn Arg],
+        )
+    })
 }
 
 /// The simulator's calls of `kind` under the acquirer-side key `op`.
@@ -674,6 +671,9 @@ fn the_cli_switch_warns_and_turns_the_sandbox_on() {
             .args(args)
             .env_remove("IDEM_SANDBOX")
             .stderr(std::process::Stdio::piped());
+        if let Some(store) = support::acquirer_store(&dir.db()) {
+            cmd.arg("--acquirer-store").arg(store);
+        }
         if let Some(value) = env {
             cmd.env("IDEM_SANDBOX", value);
         }

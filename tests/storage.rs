@@ -22,6 +22,7 @@ fn run_idem(args: &[&str], db: &Path, within: Duration) -> (i32, String) {
         .args(args)
         .arg("--db")
         .arg(db)
+        .args(acquirer_store_args(db))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -46,17 +47,39 @@ fn run_idem(args: &[&str], db: &Path, within: Duration) -> (i32, String) {
     )
 }
 
-/// A read-only connection, to look at what the server wrote.
+/// `--acquirer-store FILE` where `db` is a PostgreSQL database (its
+/// servers need one), nothing beside an SQLite file.
+fn acquirer_store_args(db: &Path) -> Vec<std::ffi::OsString> {
+    support::acquirer_store(db)
+        .map(|store| vec!["--acquirer-store".into(), store.into_os_string()])
+        .unwrap_or_default()
+}
+
+/// Runs `sql` on the database `db` as a hand edit beside idem would: through
+/// rusqlite on an SQLite file, through the postgres crate on PostgreSQL.
+fn tamper(db: &Path, sql: &str) {
+    match idem::store::postgres_url(db) {
+        Some(url) => postgres::Client::connect(url, postgres::NoTls)
+            .expect("connect to the test database")
+            .batch_execute(sql)
+            .expect("tamper with the ledger"),
+        None => Connection::open(db)
+            .unwrap()
+            .execute_batch(sql)
+            .expect("tamper with the ledger"),
+    }
+}
+
+/// A read-only connection to an SQLite file, to look at what the server
+/// wrote.
 fn read_only(db: &Path) -> Connection {
     Connection::open_with_flags(db, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap()
 }
 
-/// A database with a few charges and a refund, written by a server that
-/// then shut down cleanly (its WAL checkpointed into the file).
+/// A database with a few charges, written by a server that then shut down
+/// cleanly (on SQLite, its WAL checkpointed into the file).
 fn ledger_on_disk(dir: &TempDir) -> PathBuf {
-    let mut config = idem::Config::new(dir.db());
-    config.addr = "127.0.0.1:0".parse().unwrap();
-    let server = idem::Server::start(config).unwrap();
+    let server = idem::Server::start(support::config(dir)).unwrap();
     let client = Client::new(server.addr(), server.initial_key().unwrap());
     client.card_and_shop();
     for i in 0..20 {
@@ -73,13 +96,10 @@ fn ledger_on_disk(dir: &TempDir) -> PathBuf {
 fn serve_refuses_a_database_that_breaks_a_ledger_invariant() {
     let dir = TempDir::new("startup-invariant");
     let db = ledger_on_disk(&dir);
-    Connection::open(&db)
-        .unwrap()
-        .execute(
-            "UPDATE accounts SET balance = balance + 7 WHERE public_id = 'shop'",
-            [],
-        )
-        .unwrap();
+    tamper(
+        &db,
+        "UPDATE accounts SET balance = balance + 7 WHERE public_id = 'shop'",
+    );
 
     let (code, out) = run_idem(
         &["serve", "--addr", "127.0.0.1:0"],
@@ -101,6 +121,9 @@ fn serve_refuses_a_database_that_breaks_a_ledger_invariant() {
 
 #[test]
 fn serve_refuses_a_database_that_fails_integrity_check() {
+    if support::skip_on_postgres("damages a page of the SQLite file") {
+        return;
+    }
     let dir = TempDir::new("startup-integrity");
     let db = ledger_on_disk(&dir);
     // Overwrite the root page of an index with garbage: the tables still
@@ -153,9 +176,10 @@ fn terminate(server: support::ChildServer) {
 /// A ledger any tenant can build with ordinary charges: two pairs of
 /// accounts, each moving thousands of maximal charges, until the two credited
 /// balances are each past i64::MAX / 2. Every balance is in range and they
-/// sum to 0, but SQLite's running `sum(balance)` leaves i64 on the way; the
-/// checks must still pass: `idem verify`, the startup check of a restart on
-/// the same file, and `idem backup`'s check of its copy.
+/// sum to 0, but a running sum of the balances leaves i64 on the way
+/// (SQLite's `sum(balance)` fails there); the checks must still pass:
+/// `idem verify`, the startup check of a restart on the same database, and
+/// on SQLite `idem backup`'s check of its copy.
 #[test]
 fn a_ledger_near_the_edges_of_i64_verifies_restarts_and_backs_up() {
     let dir = TempDir::new("i64-edges");
@@ -195,16 +219,28 @@ fn a_ledger_near_the_edges_of_i64_verifies_restarts_and_backs_up() {
         assert_eq!(client.balance(up), per_pair * amount);
         assert_eq!(client.balance(down), -per_pair * amount);
     }
-    // The case is real: SQLite's own sum of these balances overflows.
-    let overflow = read_only(&db)
-        .query_row("SELECT sum(balance) FROM accounts", [], |r| {
-            r.get::<_, i64>(0)
-        })
-        .unwrap_err();
-    assert!(
-        overflow.to_string().contains("integer overflow"),
-        "{overflow}"
-    );
+    // The case is real: a sum of these balances in id order leaves i64,
+    // which SQLite's own sum() refuses.
+    if support::on_postgres() {
+        let past_i64: i64 = support::inspect(&db, |c| {
+            c.query_value(
+                "SELECT count(*) FROM (SELECT sum(CAST(balance AS NUMERIC)) OVER (ORDER BY id) \
+                 AS running FROM accounts) AS sums WHERE running > 9223372036854775807",
+                &[],
+            )
+        });
+        assert!(past_i64 > 0, "the running sum stays inside i64");
+    } else {
+        let overflow = read_only(&db)
+            .query_row("SELECT sum(balance) FROM accounts", [], |r| {
+                r.get::<_, i64>(0)
+            })
+            .unwrap_err();
+        assert!(
+            overflow.to_string().contains("integer overflow"),
+            "{overflow}"
+        );
+    }
 
     terminate(server);
     support::assert_verified(&db);
@@ -212,6 +248,10 @@ fn a_ledger_near_the_edges_of_i64_verifies_restarts_and_backs_up() {
     let client = Client::new(restarted.addr, &client.key);
     let one = json!({"amount": 1, "currency": "BRL", "source": "c-down", "destination": "a-up"});
     assert_eq!(client.charge("after", &one).status, 201);
+    if support::on_postgres() {
+        // A PostgreSQL database is copied with pg_dump, not idem backup.
+        return;
+    }
     let out = dir.0.join("copy.db");
     let (code, report) = run_idem(
         &["backup", out.to_str().unwrap()],
@@ -226,6 +266,9 @@ fn a_ledger_near_the_edges_of_i64_verifies_restarts_and_backs_up() {
 /// charge acknowledged before the backup started, and passes verify.
 #[test]
 fn online_backup_while_serving_is_consistent() {
+    if support::skip_on_postgres("idem backup copies an SQLite file") {
+        return;
+    }
     let dir = TempDir::new("backup");
     let (server, client) = support::server(|c| c.db = dir.db());
     let acked = Arc::new(AtomicUsize::new(0));
@@ -301,6 +344,31 @@ fn online_backup_while_serving_is_consistent() {
     let restored = support::ChildServer::start(&out, &[], &[]);
     let restored_client = Client::new(restored.addr, &client.key);
     assert_eq!(restored_client.all_charges().len(), charges);
+}
+
+/// On PostgreSQL `idem backup` copies nothing: it refuses as a usage error
+/// naming PostgreSQL's own tools, and writes no file.
+#[test]
+fn a_postgres_database_is_pointed_to_pg_dump_not_backed_up() {
+    if !support::on_postgres() {
+        eprintln!("skipped on SQLite: about a PostgreSQL --db");
+        return;
+    }
+    let dir = TempDir::new("backup-pg");
+    let db = ledger_on_disk(&dir);
+    let out = dir.0.join("copy.db");
+    let (code, report) = run_idem(
+        &["backup", out.to_str().unwrap()],
+        &db,
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, 2, "{report}");
+    assert!(
+        report.contains("pg_dump") && report.contains("pg_restore"),
+        "{report}"
+    );
+    assert_eq!(files_starting(&dir.0, "copy.db"), Vec::<String>::new());
+    support::assert_verified(&db);
 }
 
 /// `ledger_on_disk` grown past 20 MiB with accounts whose metadata is
@@ -387,6 +455,9 @@ fn finish(child: std::process::Child) -> (Option<i32>, String) {
 /// saying so.
 #[test]
 fn a_backup_stopped_by_a_signal_removes_its_partial_copy() {
+    if support::skip_on_postgres("idem backup copies an SQLite file") {
+        return;
+    }
     let dir = TempDir::new("backup-signal");
     let db = large_ledger_on_disk(&dir);
     // The test hook refuses what it cannot read, before anything is written.
@@ -415,6 +486,9 @@ fn a_backup_stopped_by_a_signal_removes_its_partial_copy() {
 /// stays, and the next backup to the same OUT removes it.
 #[test]
 fn a_partial_copy_left_by_a_killed_backup_is_removed_by_the_next() {
+    if support::skip_on_postgres("idem backup copies an SQLite file") {
+        return;
+    }
     let dir = TempDir::new("backup-kill");
     let db = large_ledger_on_disk(&dir);
     let out = dir.0.join("copy.db");
@@ -442,6 +516,9 @@ fn a_partial_copy_left_by_a_killed_backup_is_removed_by_the_next() {
 /// file of the first, which is still copying; that one still cleans up.
 #[test]
 fn a_backup_leaves_the_partial_copy_of_a_running_backup_alone() {
+    if support::skip_on_postgres("idem backup copies an SQLite file") {
+        return;
+    }
     let dir = TempDir::new("backup-concurrent");
     let db = large_ledger_on_disk(&dir);
     let out = dir.0.join("copy.db");
@@ -475,6 +552,9 @@ fn a_backup_leaves_the_partial_copy_of_a_running_backup_alone() {
 /// 1 saying it is unverified.
 #[test]
 fn a_signal_while_verifying_the_copy_interrupts_the_check() {
+    if support::skip_on_postgres("idem backup copies an SQLite file") {
+        return;
+    }
     let dir = TempDir::new("backup-verify-signal");
     let db = ledger_on_disk(&dir);
     // Enough charges that checking them takes a while (about 2 s in a debug
@@ -535,6 +615,9 @@ fn wal_size(db: &Path) -> u64 {
 /// of staying at its high-water mark until shutdown.
 #[test]
 fn the_wal_shrinks_back_after_a_backup_under_load() {
+    if support::skip_on_postgres("SQLite's -wal file") {
+        return;
+    }
     let limit = u64::try_from(idem::config::WAL_SIZE_LIMIT_BYTES).unwrap();
     let dir = TempDir::new("backup-wal");
     let (server, client) = support::server(|c| c.db = dir.db());
@@ -892,7 +975,7 @@ fn a_disk_that_fills_mid_charge_leaves_a_resumable_key() {
         (state.as_str(), point.as_str()),
         ("in_progress", "reserved")
     );
-    let authorization = idem::acquirer::support::authorizations(server.db_path())
+    let authorization = support::authorizations(server.db_path())
         .unwrap()
         .into_iter()
         .find(|a| a.key == op_id)

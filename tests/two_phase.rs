@@ -6,6 +6,7 @@
 
 mod support;
 
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
@@ -788,25 +789,78 @@ fn verify_catches_each_broken_two_phase_invariant() {
         ),
     ];
     for (name, sql, says) in cases {
-        let copy = dir.0.join(format!("{name}.db"));
-        {
-            let conn = rusqlite::Connection::open(dir.db()).unwrap();
-            conn.execute("VACUUM INTO ?1", [copy.to_str().unwrap()])
-                .unwrap();
-        }
-        let conn = rusqlite::Connection::open(&copy).unwrap();
-        // Some tampering breaks a CHECK constraint on purpose: that is
-        // what a hand edit with checks off, or a bug, would leave.
-        conn.execute_batch("PRAGMA ignore_check_constraints = ON")
-            .unwrap();
-        conn.execute_batch(&sql).unwrap();
-        drop(conn);
-        let (code, report) = support::verify_cli(&copy);
+        let copy = copy_of(&dir.db(), name);
+        tamper(&copy.db(), &sql);
+        let (code, report) = support::verify_cli(&copy.db());
         assert_eq!(code, 1, "{name}: verify must fail:\n{report}");
         assert!(
             report.contains(says),
             "{name}: expected '{says}' in:\n{report}"
         );
+    }
+}
+
+/// A copy of the ledger `db` in a fresh `TempDir`, to tamper with: SQLite's
+/// `VACUUM INTO` its file, or on PostgreSQL the copy's database made anew
+/// with `db` as its template (no one may be connected to `db` meanwhile).
+fn copy_of(db: &Path, tag: &str) -> TempDir {
+    let copy = TempDir::new(tag);
+    match (
+        idem::store::postgres_url(db),
+        idem::store::postgres_url(&copy.db()),
+    ) {
+        (Some(source), Some(target)) => {
+            let name = |url: &str| url.rsplit('/').next().unwrap().to_string();
+            let admin = support::postgres_admin().expect("IDEM_TEST_POSTGRES");
+            let mut pg = postgres::Client::connect(&admin, postgres::NoTls).unwrap();
+            pg.batch_execute(&format!("DROP DATABASE {}", name(target)))
+                .unwrap();
+            pg.batch_execute(&format!(
+                "CREATE DATABASE {} TEMPLATE {}",
+                name(target),
+                name(source)
+            ))
+            .unwrap();
+        }
+        _ => {
+            rusqlite::Connection::open(db)
+                .unwrap()
+                .execute("VACUUM INTO ?1", [copy.db().to_str().unwrap()])
+                .unwrap();
+        }
+    }
+    copy
+}
+
+/// Runs `sql` on the database `db` as a hand edit beside idem would, CHECK
+/// constraints off (some tampering breaks one on purpose: that is what a
+/// hand edit with checks off, or a bug, would leave): through rusqlite with
+/// `ignore_check_constraints` on SQLite; on PostgreSQL through the postgres
+/// crate, after dropping the CHECK constraints of `db` (a copy).
+fn tamper(db: &Path, sql: &str) {
+    match idem::store::postgres_url(db) {
+        Some(url) => {
+            let mut pg = postgres::Client::connect(url, postgres::NoTls).unwrap();
+            pg.batch_execute(
+                "DO $$ DECLARE c record; BEGIN \
+                   FOR c IN SELECT conrelid::regclass AS t, conname FROM pg_constraint \
+                            WHERE contype = 'c' \
+                              AND connamespace = current_schema()::regnamespace LOOP \
+                     EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', c.t, c.conname); \
+                   END LOOP; \
+                 END $$",
+            )
+            .unwrap();
+            pg.batch_execute(sql)
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        }
+        None => {
+            let conn = rusqlite::Connection::open(db).unwrap();
+            conn.execute_batch("PRAGMA ignore_check_constraints = ON")
+                .unwrap();
+            conn.execute_batch(sql)
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        }
     }
 }
 
@@ -941,21 +995,35 @@ fn the_authorization_ttl_is_bounded_so_a_hold_is_never_born_expired() {
     let dir = TempDir::new("2p-ttl");
     let db = dir.db();
     for ttl in ["366d", "10000000000000000000ms", "0s"] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-            .args([
-                "serve",
-                "--addr",
-                "127.0.0.1:0",
-                "--authorization-ttl",
-                ttl,
-                "--db",
-            ])
-            .arg(&db)
-            .output()
-            .unwrap();
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+        cmd.args([
+            "serve",
+            "--addr",
+            "127.0.0.1:0",
+            "--authorization-ttl",
+            ttl,
+            "--db",
+        ])
+        .arg(&db);
+        if let Some(store) = support::acquirer_store(&db) {
+            cmd.arg("--acquirer-store").arg(store);
+        }
+        let out = cmd.output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{ttl}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--authorization-ttl"), "{ttl}: {err}");
     }
-    assert!(!db.exists(), "a refused flag creates nothing");
+    if support::on_postgres() {
+        let tables: i64 = support::inspect(&db, |c| {
+            c.query_value(
+                "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema()",
+                &[],
+            )
+        });
+        assert_eq!(tables, 0, "a refused flag creates nothing");
+    } else {
+        assert!(!db.exists(), "a refused flag creates nothing");
+    }
     let err = idem::Server::start_temporary(|c| {
         c.authorization_ttl = Duration::from_secs(u64::MAX);
     })
@@ -1023,23 +1091,21 @@ fn verify_holds_the_ledger_against_the_acquirers_books() {
     let sale_auth = sale.json()["authorization"].as_str().unwrap().to_string();
     server.kill();
     support::assert_verified(&db);
-    // Fold both WALs into their files, so that a copy of a file is whole.
-    for file in [db.clone(), idem::acquirer::Simulator::store_path(&db)] {
-        rusqlite::Connection::open(&file)
-            .unwrap()
-            .execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
-            .unwrap();
-    }
+    // Fold the simulator's WAL into its file, so that a copy of the file is
+    // whole.
+    let simulator = support::simulator_file(&db);
+    rusqlite::Connection::open(&simulator)
+        .unwrap()
+        .execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
+        .unwrap();
 
     let auth_of = |charge: &str| -> String {
-        rusqlite::Connection::open(&db)
-            .unwrap()
-            .query_row(
+        support::inspect(&db, |c| {
+            c.query_value(
                 "SELECT authorization_id FROM charges WHERE public_id = ?1",
-                [charge],
-                |r| r.get(0),
+                &[&charge as &dyn idem::store::Arg],
             )
-            .unwrap()
+        })
     };
     let cases = [
         ("open", format!("UPDATE authorizations SET state = 'authorized', captured = 0 WHERE authorization_id = '{sale_auth}'"), "is open at the acquirer"),
@@ -1048,16 +1114,25 @@ fn verify_holds_the_ledger_against_the_acquirers_books() {
         ("refunded", format!("UPDATE authorizations SET refunded = 0 WHERE authorization_id = '{}'", auth_of(&captured)), "refunded 300 in the ledger, 0 at the acquirer"),
         ("not-voided", format!("UPDATE authorizations SET state = 'authorized' WHERE authorization_id = '{}'", auth_of(&canceled)), "its charge"),
     ];
+    // The ledger stays as it is; each case is a tampered copy of the
+    // simulator's file (SQLite on either backend), named to `idem verify`.
     for (name, sql, says) in cases {
-        let copy = dir.0.join(format!("{name}.db"));
-        std::fs::copy(&db, &copy).unwrap();
-        let simulator = idem::acquirer::Simulator::store_path(&copy);
-        std::fs::copy(idem::acquirer::Simulator::store_path(&db), &simulator).unwrap();
-        rusqlite::Connection::open(&simulator)
+        let copy = dir.0.join(format!("{name}.acquirer.sqlite"));
+        std::fs::copy(&simulator, &copy).unwrap();
+        rusqlite::Connection::open(&copy)
             .unwrap()
             .execute_batch(&sql)
             .unwrap();
-        let (code, report) = support::verify_cli(&copy);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["verify", "--db"])
+            .arg(&db)
+            .arg("--acquirer-store")
+            .arg(&copy)
+            .output()
+            .unwrap();
+        let code = out.status.code().unwrap_or(-1);
+        let report = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
         assert_eq!(code, 1, "{name}: verify must fail:\n{report}");
         assert!(
             report.contains(says),

@@ -1,6 +1,6 @@
 //! Crashes in the middle of the two-phase operations, with real `idem serve`
 //! children that abort at an `IDEM_FAULT=KIND:POINT` (or are SIGKILLed) and
-//! are restarted on the same database file: a capture or cancel killed at
+//! are restarted on the same database: a capture or cancel killed at
 //! each of its four points, finished by a retry and by the reaper (also
 //! while its hold expires); a refund
 //! killed after its ledger effect and after the acquirer's refund; an expiry
@@ -13,7 +13,7 @@
 //! own file), that a retry before `--inflight-timeout` is 409 and one after it
 //! takes over and finishes, that a later replay is the same bytes, that the
 //! acquirer made exactly one capture, void or refund (counted in its journal,
-//! `Simulator::journal`), the balances, and `idem verify` (which holds the
+//! `support::journal`), the balances, and `idem verify` (which holds the
 //! ledger against the acquirer's books) on the crashed and the finished file.
 //!
 //! The variants of one scenario run in parallel threads, each on its own
@@ -25,8 +25,8 @@ mod support;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use idem::acquirer::{Call, CallKind, Simulator, StoredAuthorization};
-use rusqlite::{Connection, OpenFlags};
+use idem::acquirer::{Call, CallKind, StoredAuthorization};
+use idem::store::Arg;
 use serde_json::{json, Value};
 use support::{ChildServer, Client, Resp, TempDir};
 
@@ -152,7 +152,7 @@ fn lose_answer(
     crash
 }
 
-/// The key row of `key`, read from the database file.
+/// The key row of `key`, read from the database (either backend).
 #[derive(Debug, Clone)]
 struct KeyRow {
     op_id: String,
@@ -165,16 +165,12 @@ struct KeyRow {
     completed_at_ms: Option<i64>,
 }
 
-fn read_only(db: &Path) -> Connection {
-    Connection::open_with_flags(db, OpenFlags::SQLITE_OPEN_READ_ONLY).expect("open read-only")
-}
-
 fn key_row(db: &Path, key: &str) -> KeyRow {
-    read_only(db)
-        .query_row(
+    support::inspect(db, |c| {
+        c.query_opt(
             "SELECT op_id, state, recovery_point, generation, locked_at, response_status, \
              response_body, completed_at FROM idempotency_keys WHERE key = ?1",
-            [key],
+            &[&key as &dyn Arg],
             |r| {
                 Ok(KeyRow {
                     op_id: r.get(0)?,
@@ -182,13 +178,16 @@ fn key_row(db: &Path, key: &str) -> KeyRow {
                     recovery_point: r.get(2)?,
                     generation: r.get(3)?,
                     locked_at_ms: r.get(4)?,
-                    response_status: r.get(5)?,
+                    response_status: r.get::<Option<i64>>(5)?.map(|s| {
+                        u16::try_from(s).unwrap_or_else(|_| panic!("response_status {s}"))
+                    }),
                     response_body: r.get(6)?,
                     completed_at_ms: r.get(7)?,
                 })
             },
         )
-        .unwrap_or_else(|e| panic!("key row {key}: {e}"))
+    })
+    .unwrap_or_else(|| panic!("no key row {key}"))
 }
 
 /// Polls `probe` until it returns `Ok`; fails after `within` with `what`
@@ -218,15 +217,15 @@ fn completed(db: &Path, key: &str) -> KeyRow {
     })
 }
 
-/// (status, claimed_by) of a charge, read from the database file.
+/// (status, claimed_by) of a charge, read from the database.
 fn charge_row(db: &Path, charge: &str) -> (String, Option<String>) {
-    read_only(db)
-        .query_row(
+    support::inspect(db, |c| {
+        c.query_one(
             "SELECT status, claimed_by FROM charges WHERE public_id = ?1",
-            [charge],
+            &[&charge as &dyn Arg],
             |r| Ok((r.get(0)?, r.get(1)?)),
         )
-        .unwrap()
+    })
 }
 
 /// Every call of `kind` the acquirer simulator of `db` journaled about
@@ -740,13 +739,12 @@ fn settle_killed_as_its_hold_expires(op: Settle, point: Point) {
     // follows the hold at once).
     let args = ["--authorization-ttl", "2s", "--reaper-interval", "1h"];
     let (server, mut client, hold) = server_with_hold(&db, Some(&fault), &args);
-    let expires_at_ms: i64 = read_only(&db)
-        .query_row(
+    let expires_at_ms: i64 = support::inspect(&db, |c| {
+        c.query_value(
             "SELECT expires_at FROM charges WHERE public_id = ?1",
-            [&hold.id],
-            |r| r.get(0),
+            &[&hold.id as &dyn Arg],
         )
-        .unwrap();
+    });
     let _crash = lose_answer(server, &fault, &client, &op.path(&hold.id), &op.body());
     let crashed = key_row(&db, KEY);
     assert_crash_state(&db, op, point, &hold, &crashed);
@@ -1138,13 +1136,13 @@ fn an_expiry_killed_between_its_void_and_its_release_is_finished_by_the_next_pas
 
 /// The charges whose authorization is `authorization`.
 fn charges_with(db: &Path, authorization: &str) -> usize {
-    read_only(db)
-        .query_row(
+    let n: i64 = support::inspect(db, |c| {
+        c.query_value(
             "SELECT count(*) FROM charges WHERE authorization_id = ?1",
-            [authorization],
-            |r| r.get::<_, i64>(0),
+            &[&authorization as &dyn Arg],
         )
-        .unwrap() as usize
+    });
+    usize::try_from(n).unwrap()
 }
 
 /// The wallet's funds, what the late hold asks for, and what the refund

@@ -412,12 +412,25 @@ fn describe(config: &postgres::Config) -> String {
 }
 
 /// Whether running the transaction again may succeed: it lost a race.
+///
+/// That includes one race inside the server: an UPDATE of a row that
+/// concurrent transactions key-share lock (a foreign key check, as every
+/// entry makes on its account) and update can fail with the internal error
+/// "new multixact has more than one updating member" while one of those
+/// updaters is aborting (seen on PostgreSQL 15.18 under contention on one
+/// account). The transaction is rolled back as on a serialization failure.
 pub fn is_retryable(e: &Error) -> bool {
     match e {
-        Error::Postgres(e) => matches!(
-            e.code(),
-            Some(&SqlState::T_R_SERIALIZATION_FAILURE) | Some(&SqlState::T_R_DEADLOCK_DETECTED)
-        ),
+        Error::Postgres(e) => match e.code() {
+            Some(&SqlState::T_R_SERIALIZATION_FAILURE) | Some(&SqlState::T_R_DEADLOCK_DETECTED) => {
+                true
+            }
+            Some(&SqlState::INTERNAL_ERROR) => e.as_db_error().is_some_and(|db| {
+                db.message()
+                    .starts_with("new multixact has more than one updating member")
+            }),
+            _ => false,
+        },
         _ => false,
     }
 }
