@@ -398,7 +398,8 @@ impl Admin {
                         "the PostgreSQL database is at schema version {found}, not this idem's \
                          {SCHEMA_VERSION}{}",
                         if found == 0 {
-                            " (it has no idem schema: `idem serve` or `idem migrate` creates it)"
+                            " (it has no idem schema: `idem serve` or `idem migrate` creates \
+                             one in an empty database)"
                         } else {
                             ""
                         }
