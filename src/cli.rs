@@ -660,10 +660,46 @@ fn migrate(db: &std::path::Path) -> Result<i32> {
     Ok(0)
 }
 
+/// The server's logger, less the PostgreSQL driver's debug and trace
+/// records, whatever `RUST_LOG` says: `tokio_postgres` logs every
+/// statement's parameters at debug (idempotency keys, request bodies,
+/// metadata, key hashes) and its SQL text, which the log must never carry.
+/// Its warnings and errors still pass.
+struct NoDriverDebug(env_logger::Logger);
+
+impl NoDriverDebug {
+    fn is_driver_detail(metadata: &log::Metadata<'_>) -> bool {
+        let target = metadata.target();
+        metadata.level() > log::Level::Info
+            && ["tokio_postgres", "postgres"]
+                .iter()
+                .any(|c| target == *c || target.starts_with(&format!("{c}::")))
+    }
+}
+
+impl log::Log for NoDriverDebug {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        !Self::is_driver_detail(metadata) && self.0.enabled(metadata)
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if !Self::is_driver_detail(record.metadata()) {
+            self.0.log(record);
+        }
+    }
+
+    fn flush(&self) {
+        self.0.flush();
+    }
+}
+
 fn serve(db: PathBuf, acquirer_store: Option<PathBuf>, args: ServeArgs) -> Result<i32> {
     // Warnings and errors (failed batches, panics, refused connections) go
     // to stderr; RUST_LOG=info or =debug shows more.
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let logger =
+        env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).build();
+    log::set_max_level(logger.filter());
+    log::set_boxed_logger(Box::new(NoDriverDebug(logger))).expect("the logger is set once");
     let mut config = Config::new(db);
     config.acquirer_store = acquirer_store;
     config.addr = args.addr;

@@ -112,8 +112,8 @@ fn authorize(sim: &Simulator, key: &str) -> String {
 
 fn rows(db: &Path) -> (usize, usize) {
     (
-        Simulator::authorizations(db).unwrap().len(),
-        Simulator::journal(db).unwrap().len(),
+        support::authorizations(db).unwrap().len(),
+        support::journal(db).unwrap().len(),
     )
 }
 
@@ -175,13 +175,13 @@ fn the_simulator_forgets_what_is_past_its_retention() {
         3,
         "op_old: its authorization and two calls"
     );
-    let kept = Simulator::authorizations(&db).unwrap();
+    let kept = support::authorizations(&db).unwrap();
     assert_eq!(kept.len(), 1);
     assert_eq!(
         (kept[0].key.as_str(), kept[0].id.as_str()),
         ("op_young", young.as_str())
     );
-    assert!(Simulator::journal(&db)
+    assert!(support::journal(&db)
         .unwrap()
         .iter()
         .all(|c| c.key == "op_young"));
@@ -231,7 +231,7 @@ fn a_v1_journal_is_imported_once() {
 
     let sim = Simulator::open(&db, Duration::ZERO, Duration::from_secs(3600)).unwrap();
     assert!(!v1.exists() && imported.exists(), "renamed once imported");
-    let journal = Simulator::journal(&db).unwrap();
+    let journal = support::journal(&db).unwrap();
     let made: Vec<_> = journal
         .iter()
         .map(|c| {
@@ -253,7 +253,7 @@ fn a_v1_journal_is_imported_once() {
     assert!(journal.iter().all(|c| c.created && !c.timed_out));
     assert_eq!(authorize(&sim, "op_a"), "auth_0001");
     drop(sim);
-    let journal = Simulator::journal(&db).unwrap();
+    let journal = support::journal(&db).unwrap();
     assert_eq!(journal.len(), 3, "the repeated call is journaled");
     assert!(!journal[2].created);
 
@@ -262,8 +262,8 @@ fn a_v1_journal_is_imported_once() {
     std::fs::rename(&imported, &v1).unwrap();
     let sim = Simulator::open(&db, Duration::ZERO, Duration::from_secs(3600)).unwrap();
     assert!(!v1.exists());
-    assert_eq!(Simulator::journal(&db).unwrap(), journal);
-    assert_eq!(Simulator::authorizations(&db).unwrap().len(), 2);
+    assert_eq!(support::journal(&db).unwrap(), journal);
+    assert_eq!(support::authorizations(&db).unwrap().len(), 2);
     assert_eq!(authorize(&sim, "op_b"), "auth_0002");
 }
 
@@ -356,7 +356,7 @@ fn a_slow_acquirer_does_not_livelock_retries() {
     let charges = client.all_charges();
     assert_eq!(charges.len(), 1);
     assert_eq!(client.balance("shop"), 321);
-    let journal = Simulator::journal(&db).unwrap();
+    let journal = support::journal(&db).unwrap();
     let made: Vec<_> = journal.iter().filter(|c| c.created).collect();
     assert_eq!(made.len(), 1, "one authorization: {journal:?}");
     assert!(journal
@@ -397,7 +397,7 @@ fn a_call_past_its_deadline_answers_503_at_once_and_unlocks() {
     );
     let second = client.charge("deadline", &charge_body(77));
     assert_eq!(second.status, 503, "unlocked: asked again, not 409");
-    let journal = Simulator::journal(server.db_path()).unwrap();
+    let journal = support::journal(server.db_path()).unwrap();
     assert_eq!(journal.len(), 2, "{journal:?}");
     assert!(journal.iter().all(|c| c.timed_out));
 
@@ -411,7 +411,7 @@ fn a_call_past_its_deadline_answers_503_at_once_and_unlocks() {
         "the authorization took its latency"
     );
     let charge = &client.all_charges()[0];
-    let journal = Simulator::journal(server.db_path()).unwrap();
+    let journal = support::journal(server.db_path()).unwrap();
     let made: Vec<_> = journal.iter().filter(|c| c.created).collect();
     assert_eq!(made.len(), 1, "{journal:?}");
     assert_eq!(charge["id"], last.json()["id"]);

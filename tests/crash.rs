@@ -19,7 +19,7 @@ const INFLIGHT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Every call the simulator of `db` journaled.
 fn journal(db: &Path) -> Vec<Call> {
-    Simulator::journal(db).expect("read the acquirer simulator's journal")
+    support::journal(db).expect("read the acquirer simulator's journal")
 }
 
 /// The calls that made a new authorization.
@@ -174,7 +174,7 @@ fn an_upgrade_imports_the_v1_journal_of_an_in_progress_key() {
     let mut client = crash_during_charge(&db, "after_acquirer");
     let crashed_at = Instant::now();
     // What a v1 build would have left: its text journal, no simulator file.
-    let made = Simulator::authorizations(&db).unwrap();
+    let made = support::authorizations(&db).unwrap();
     assert_eq!(made.len(), 1);
     let a = &made[0];
     let line = format!("{} {} {} {}\n", a.key, a.id, a.amount, a.currency);

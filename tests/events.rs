@@ -8,6 +8,7 @@
 mod support;
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
@@ -46,6 +47,27 @@ fn types(events: &[Value]) -> Vec<String> {
         .rev()
         .map(|e| e["type"].as_str().unwrap().to_string())
         .collect()
+}
+
+/// Changes the ledger behind idem's back, on either backend, to show that
+/// `idem verify` notices: `sql` is written once with `?N` placeholders.
+fn tamper(db: &Path, sql: &str, args: &[&str]) -> usize {
+    if support::on_postgres() {
+        let url = db.to_str().expect("a PostgreSQL URL");
+        let mut client = postgres::Client::connect(url, postgres::NoTls).expect("connect");
+        let args: Vec<&(dyn postgres::types::ToSql + Sync)> = args
+            .iter()
+            .map(|a| a as &(dyn postgres::types::ToSql + Sync))
+            .collect();
+        client
+            .execute(sql.replace('?', "$").as_str(), &args)
+            .unwrap_or_else(|e| panic!("{sql}: {e}")) as usize
+    } else {
+        rusqlite::Connection::open(db)
+            .unwrap()
+            .execute(sql, rusqlite::params_from_iter(args))
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
 }
 
 #[test]
@@ -136,14 +158,13 @@ fn every_state_change_writes_one_event_with_the_resource_after_it() {
         assert_eq!(one.status, 200);
         assert_eq!(one.header("content-type"), Some("application/json"));
         assert_eq!(&one.json(), e);
-        let stored: Vec<u8> = rusqlite::Connection::open(dir.db())
-            .unwrap()
-            .query_row(
+        let public_id = e["id"].as_str().unwrap();
+        let stored: Vec<u8> = support::inspect(&dir.db(), |c| {
+            c.query_value(
                 "SELECT body FROM events WHERE public_id = ?1",
-                [e["id"].as_str().unwrap()],
-                |r| r.get(0),
+                &[&public_id as &dyn idem::store::Arg],
             )
-            .unwrap();
+        });
         assert_eq!(one.body, stored);
     }
     // New entries take ent_.
@@ -378,24 +399,23 @@ fn verify_finds_a_missing_a_doubled_and_a_stray_event() {
     let id = charge["id"].as_str().unwrap().to_string();
     server.shutdown();
     support::assert_verified(&dir.db());
-    let db = || rusqlite::Connection::open(dir.db()).unwrap();
+    let db = dir.db();
 
     // Doubled.
-    db().execute(
+    tamper(
+        &db,
         "INSERT INTO events (consumer_id, public_id, type, object_id, body, created_at) \
          SELECT consumer_id, public_id || 'x', type, object_id, body, created_at FROM events \
          WHERE object_id = ?1",
-        [&id],
-    )
-    .unwrap();
-    let (code, report) = support::verify_cli(&dir.db());
+        &[&id],
+    );
+    let (code, report) = support::verify_cli(&db);
     assert_eq!(code, 1);
     assert!(report.contains("has 2 charge.succeeded events"), "{report}");
 
     // Missing.
-    db().execute("DELETE FROM events WHERE object_id = ?1", [&id])
-        .unwrap();
-    let (code, report) = support::verify_cli(&dir.db());
+    tamper(&db, "DELETE FROM events WHERE object_id = ?1", &[&id]);
+    let (code, report) = support::verify_cli(&db);
     assert_eq!(code, 1);
     assert!(
         report.contains(&format!("{id} has no charge.succeeded event")),
@@ -403,14 +423,14 @@ fn verify_finds_a_missing_a_doubled_and_a_stray_event() {
     );
 
     // Stray: a charge.captured for a charge that was captured at once.
-    db().execute(
+    tamper(
+        &db,
         "INSERT INTO events (consumer_id, public_id, type, object_id, body, created_at) \
          SELECT consumer_id, 'evt_stray', 'charge.captured', ?1, '{}', 0 FROM charges \
          WHERE public_id = ?1",
-        [&id],
-    )
-    .unwrap();
-    let (code, report) = support::verify_cli(&dir.db());
+        &[&id],
+    );
+    let (code, report) = support::verify_cli(&db);
     assert_eq!(code, 1);
     assert!(report.contains("which is not in that state"), "{report}");
 }

@@ -4,7 +4,6 @@
 
 mod support;
 
-use rusqlite::Connection;
 use serde_json::{json, Value};
 use support::{charge_body, Client, Resp};
 
@@ -379,6 +378,25 @@ fn tenant_isolation_on_every_route() {
     );
 }
 
+/// Runs `sql` on the database `db` behind idem's back, on either backend:
+/// how a test shows that `idem verify` notices a tampered ledger. The
+/// number of rows changed, or the engine's refusal.
+fn tamper(db: &std::path::Path, sql: &str) -> Result<u64, String> {
+    if support::on_postgres() {
+        let url = db.to_str().expect("a PostgreSQL URL");
+        postgres::Client::connect(url, postgres::NoTls)
+            .expect("connect")
+            .execute(sql, &[])
+            .map_err(|e| e.to_string())
+    } else {
+        rusqlite::Connection::open(db)
+            .expect("open")
+            .execute(sql, [])
+            .map(|n| n as u64)
+            .map_err(|e| e.to_string())
+    }
+}
+
 #[test]
 fn verify_passes_on_a_healthy_ledger_and_fails_on_a_tampered_one() {
     let (server, client) = server();
@@ -395,10 +413,9 @@ fn verify_passes_on_a_healthy_ledger_and_fails_on_a_tampered_one() {
     let db = server.db_path().to_path_buf();
     support::assert_verified(&db);
 
-    let conn = Connection::open(&db).unwrap();
-    conn.execute(
+    tamper(
+        &db,
         "UPDATE accounts SET balance = balance + 1 WHERE public_id = 'shop'",
-        [],
     )
     .unwrap();
     let (code, report) = support::verify_cli(&db);
@@ -408,39 +425,38 @@ fn verify_passes_on_a_healthy_ledger_and_fails_on_a_tampered_one() {
         report.contains("balance equals the sum of its entries"),
         "{report}"
     );
-    conn.execute(
+    tamper(
+        &db,
         "UPDATE accounts SET balance = balance - 1 WHERE public_id = 'shop'",
-        [],
     )
     .unwrap();
     support::assert_verified(&db);
 
     // A key whose stored answer names another key's charge.
-    conn.execute(
+    tamper(
+        &db,
         "UPDATE idempotency_keys SET response_body = (SELECT response_body FROM \
          idempotency_keys WHERE key = 'by-ref') WHERE key = 'c'",
-        [],
     )
     .unwrap();
     let (code, report) = support::verify_cli(&db);
     assert_eq!(code, 1);
     assert!(report.contains("which it did not produce"), "{report}");
 
-    conn.execute("UPDATE charges SET amount_refunded = amount + 1", [])
-        .unwrap_err();
+    tamper(&db, "UPDATE charges SET amount_refunded = amount + 1").unwrap_err();
     // A refund's entry filed under another charge.
-    conn.execute(
+    tamper(
+        &db,
         "UPDATE entries SET charge_id = (SELECT id FROM charges WHERE reference = 'inv-1') \
          WHERE refund_id IS NOT NULL AND amount > 0",
-        [],
     )
     .unwrap();
     let (code, report) = support::verify_cli(&db);
     assert_eq!(code, 1);
     assert!(report.contains("names another charge"), "{report}");
-    conn.execute(
+    tamper(
+        &db,
         "DELETE FROM entries WHERE refund_id IS NOT NULL AND amount < 0",
-        [],
     )
     .unwrap();
     let (code, report) = support::verify_cli(&db);
@@ -477,20 +493,19 @@ fn one_reference_never_reaches_the_acquirer_twice() {
         "the key was left free, now a reference replay"
     );
     assert_eq!(retry.json()["id"], first.json()["id"]);
-    let journal = idem::acquirer::Simulator::journal(server.db_path()).unwrap();
+    let journal = support::journal(server.db_path()).unwrap();
     assert_eq!(journal.len(), 1, "one acquirer call: {journal:?}");
     support::assert_verified(server.db_path());
 }
 
 /// The number of key rows holding `key`, read from the server's database.
 fn key_rows(db: &std::path::Path, key: &str) -> i64 {
-    let conn = Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
-    conn.query_row(
-        "SELECT count(*) FROM idempotency_keys WHERE key = ?1",
-        [key],
-        |r| r.get(0),
-    )
-    .unwrap()
+    support::inspect(db, |c| {
+        c.query_value(
+            "SELECT count(*) FROM idempotency_keys WHERE key = ?1",
+            &[&key as &dyn idem::store::Arg],
+        )
+    })
 }
 
 /// A body that names a member twice — at the top, inside `metadata`, inside

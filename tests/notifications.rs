@@ -11,7 +11,6 @@ use std::path::Path;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use idem::acquirer::Simulator;
 use serde_json::{json, Value};
 use support::{charge_body, ChildServer, Client, Resp, TempDir};
 
@@ -119,8 +118,7 @@ fn ok(r: &Resp) -> Value {
 }
 
 fn embedded(dir: &TempDir, configure: impl FnOnce(&mut idem::Config)) -> (idem::Server, Client) {
-    let mut config = idem::Config::new(dir.db());
-    config.addr = "127.0.0.1:0".parse().unwrap();
+    let mut config = support::config(dir);
     configure(&mut config);
     let server = idem::Server::start(config).expect("start server");
     let client = Client::new(server.addr(), server.initial_key().expect("default key"));
@@ -597,7 +595,7 @@ fn a_chargeback_that_overtakes_its_authorization_applies_once_when_it_is_recorde
             let Some(sender) = hook_sender.lock().unwrap().clone() else {
                 return;
             };
-            let auth = Simulator::authorizations(&hook_db)
+            let auth = support::authorizations(&hook_db)
                 .unwrap()
                 .into_iter()
                 .find(|a| a.key == op)
@@ -738,7 +736,7 @@ fn a_crash_between_authorization_and_ledger_leaves_the_chargeback_unmatched_unti
     );
     assert!(crashed.is_err() || crashed.unwrap().status >= 500);
     first.wait_exit(Duration::from_secs(10));
-    let auths = Simulator::authorizations(&db).unwrap();
+    let auths = support::authorizations(&db).unwrap();
     assert_eq!(auths.len(), 1);
     let auth = auths[0].id.clone();
 

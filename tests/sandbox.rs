@@ -77,7 +77,7 @@ fn op_id(db: &Path, key: &str) -> String {
 
 /// The simulator's calls of `kind` under the acquirer-side key `op`.
 fn calls(db: &Path, kind: CallKind, op: &str) -> Vec<idem::acquirer::Call> {
-    Simulator::journal(db)
+    support::journal(db)
         .unwrap()
         .into_iter()
         .filter(|c| c.kind == kind && c.key == op)

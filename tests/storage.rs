@@ -892,7 +892,7 @@ fn a_disk_that_fills_mid_charge_leaves_a_resumable_key() {
         (state.as_str(), point.as_str()),
         ("in_progress", "reserved")
     );
-    let authorization = idem::acquirer::Simulator::authorizations(server.db_path())
+    let authorization = idem::acquirer::support::authorizations(server.db_path())
         .unwrap()
         .into_iter()
         .find(|a| a.key == op_id)

@@ -232,7 +232,7 @@ fn charge_row(db: &Path, charge: &str) -> (String, Option<String>) {
 /// Every call of `kind` the acquirer simulator of `db` journaled about
 /// `authorization`.
 fn calls(db: &Path, kind: CallKind, authorization: &str) -> Vec<Call> {
-    Simulator::journal(db)
+    support::journal(db)
         .expect("read the acquirer's journal")
         .into_iter()
         .filter(|c| c.kind == kind && c.authorization == authorization)
@@ -246,7 +246,7 @@ fn made(calls: &[Call]) -> usize {
 
 /// What the acquirer's books say of `authorization`.
 fn at_acquirer(db: &Path, authorization: &str) -> StoredAuthorization {
-    Simulator::authorizations(db)
+    support::authorizations(db)
         .expect("read the acquirer's books")
         .into_iter()
         .find(|a| a.id == authorization)
@@ -1199,7 +1199,7 @@ fn decline_killed_before_its_void(finisher: Finisher) {
         ),
         ("in_progress", "reserved")
     );
-    let auth = Simulator::authorizations(&db)
+    let auth = support::authorizations(&db)
         .expect("read the acquirer's books")
         .into_iter()
         .find(|a| a.key == authorized.op_id)

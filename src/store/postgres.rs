@@ -21,12 +21,14 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::str::FromStr;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use bytes::BytesMut;
 use postgres::error::SqlState;
 use postgres::types::{to_sql_checked, IsNull, ToSql, Type};
 use postgres::{Client, NoTls, Statement};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::sql::{Arg, Db, Dialect, Row, Value};
 use super::migrations::{Migrated, SCHEMA_VERSION, STEPS};
@@ -35,6 +37,10 @@ use crate::error::{Error, Result};
 /// How many times a write command that lost a serialization race runs again
 /// before its caller gets the error (a 503: the request may be retried).
 pub const RETRIES_MAX: u32 = 64;
+
+/// After this many serialization failures a write command's next attempts
+/// run alone in this process (see [`PgStore::write`]).
+pub const ESCALATE_AFTER: u32 = 2;
 
 /// Prepared statements one connection keeps; past this the cache is emptied
 /// and filled again, so statements built at run time cannot grow it forever.
@@ -69,6 +75,8 @@ impl PgConn {
 
 struct Manager {
     config: postgres::Config,
+    /// TLS, when the URL asks for it (`sslmode=require`).
+    tls: Option<MakeRustlsConnect>,
 }
 
 impl r2d2::ManageConnection for Manager {
@@ -76,8 +84,12 @@ impl r2d2::ManageConnection for Manager {
     type Error = postgres::Error;
 
     fn connect(&self) -> std::result::Result<PgConn, postgres::Error> {
+        let client = match &self.tls {
+            Some(tls) => self.config.connect(tls.clone())?,
+            None => self.config.connect(NoTls)?,
+        };
         Ok(PgConn {
-            client: self.config.connect(NoTls)?,
+            client,
             statements: HashMap::new(),
         })
     }
@@ -95,6 +107,9 @@ impl r2d2::ManageConnection for Manager {
 #[derive(Clone)]
 pub struct PgStore {
     pool: r2d2::Pool<Manager>,
+    /// Shared by first attempts, taken alone by escalated retries (see
+    /// [`PgStore::write`]).
+    gate: Arc<RwLock<()>>,
 }
 
 impl PgStore {
@@ -102,33 +117,66 @@ impl PgStore {
     /// first connection is made now, so a wrong URL or a server that is down
     /// fails here, with the URL's host named (never its password).
     pub fn open(url: &str, size: usize) -> Result<PgStore> {
-        let config = postgres::Config::from_str(url).map_err(|e| {
+        let (url, root_file) = take_root_cert(url);
+        let config = postgres::Config::from_str(&url).map_err(|e| {
             Error::Config(format!(
                 "--db: not a valid PostgreSQL URL ({e}); expected \
-                 postgres://user[:password]@host[:port]/database"
+                 postgres://user[:password]@host[:port]/database[?sslmode=require\
+                 [&sslrootcert=/path/ca.pem]]"
             ))
         })?;
+        let tls = match config.get_ssl_mode() {
+            postgres::config::SslMode::Require => Some(tls_connector(root_file.as_deref())?),
+            _ if root_file.is_some() => {
+                return Err(Error::Config(
+                    "--db: sslrootcert is given but sslmode is not require; add sslmode=require"
+                        .into(),
+                ))
+            }
+            _ => None,
+        };
         let target = describe(&config);
         let pool = r2d2::Pool::builder()
             .max_size(size as u32)
             .min_idle(Some(1))
             .connection_timeout(Duration::from_secs(10))
-            .build(Manager { config })
+            .build(Manager { config, tls })
             .map_err(|e| {
                 Error::Other(format!(
                     "cannot connect to PostgreSQL at {target}: {e}; check that the server is \
-                     running, the database exists and the user may log in"
+                     running, the database exists and the user may log in (with \
+                     sslmode=require, that its certificate verifies against sslrootcert=… or \
+                     a public CA)"
                 ))
             })?;
-        Ok(PgStore { pool })
+        Ok(PgStore {
+            pool,
+            gate: Arc::new(RwLock::new(())),
+        })
     }
 
     /// Runs `f` in a `SERIALIZABLE` transaction and commits; runs it again
     /// on a serialization failure or a deadlock (see the module's text).
+    ///
+    /// Contention: the commands that touch one hot row (a merchant every
+    /// charge credits) all conflict, and under serializable isolation a
+    /// conflict is a failure, not a wait; retried blindly, such a command can
+    /// lose again and again to fresh ones. So a command that lost
+    /// [`ESCALATE_AFTER`] times runs its next attempts alone in this process
+    /// (the gate's write side; every first attempt takes the read side): it
+    /// then conflicts only with other nodes' commands, of which a few at most
+    /// are ever escalated at once, and one of each conflict commits.
     pub fn write<T>(&self, mut f: impl FnMut(&dyn Db) -> Result<T>) -> Result<T> {
         let mut attempt = 0;
         loop {
-            match self.transaction("BEGIN ISOLATION LEVEL SERIALIZABLE", &mut f) {
+            let outcome = if attempt < ESCALATE_AFTER {
+                let _shared = self.gate.read().unwrap_or_else(PoisonError::into_inner);
+                self.transaction("BEGIN ISOLATION LEVEL SERIALIZABLE", &mut f)
+            } else {
+                let _alone = self.gate.write().unwrap_or_else(PoisonError::into_inner);
+                self.transaction("BEGIN ISOLATION LEVEL SERIALIZABLE", &mut f)
+            };
+            match outcome {
                 Err(e) if is_retryable(&e) && attempt < RETRIES_MAX => {
                     attempt += 1;
                     // Spread the retries of the commands that collided.
@@ -259,6 +307,62 @@ impl PgStore {
             db.query_value("SELECT coalesce(max(version), 0) FROM schema_migrations", &[])
         })
     }
+}
+
+/// The URL without its `sslrootcert=PATH` parameter (which the driver does
+/// not know), and that path.
+fn take_root_cert(url: &str) -> (String, Option<std::path::PathBuf>) {
+    let Some((base, query)) = url.split_once('?') else {
+        return (url.to_owned(), None);
+    };
+    let mut root = None;
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| match pair.strip_prefix("sslrootcert=") {
+            Some(path) => {
+                root = Some(std::path::PathBuf::from(path));
+                false
+            }
+            None => true,
+        })
+        .collect();
+    if kept.is_empty() {
+        (base.to_owned(), root)
+    } else {
+        (format!("{base}?{}", kept.join("&")), root)
+    }
+}
+
+/// TLS with rustls (ring), verifying the server's certificate against the
+/// PEM file `root_file`, or the Mozilla roots (webpki-roots) without one.
+fn tls_connector(root_file: Option<&std::path::Path>) -> Result<MakeRustlsConnect> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    match root_file {
+        Some(path) => {
+            let certs = CertificateDer::pem_file_iter(path)
+                .and_then(|certs| certs.collect::<std::result::Result<Vec<_>, _>>())
+                .map_err(|e| {
+                    Error::Config(format!("--db: cannot read sslrootcert {}: {e}", path.display()))
+                })?;
+            let (added, _) = roots.add_parsable_certificates(certs);
+            if added == 0 {
+                return Err(Error::Config(format!(
+                    "--db: sslrootcert {} holds no usable certificate",
+                    path.display()
+                )));
+            }
+        }
+        None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
+    }
+    let config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| Error::Config(format!("TLS: {e}")))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    Ok(MakeRustlsConnect::new(config))
 }
 
 /// Host, port and database of a configuration, for messages (no password).

@@ -330,6 +330,8 @@ pub fn acquirer_store(db: &Path) -> Option<PathBuf> {
     if !url.starts_with("postgres://") {
         return None;
     }
+    // Without the query (`?sslmode=…`): one database, one file.
+    let url = url.split('?').next().unwrap();
     let name = url.rsplit('/').next().unwrap();
     Some(std::env::temp_dir().join(format!("{name}.acquirer.sqlite")))
 }
@@ -653,4 +655,20 @@ impl idem::acquirer::Acquirer for CountingAcquirer {
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.inner.refund(key, authorization, amount, deadline)
     }
+}
+
+/// The acquirer simulator's file of the database `db`: beside an SQLite
+/// file, or the one [`acquirer_store`] names for a PostgreSQL database.
+pub fn simulator_file(db: &Path) -> PathBuf {
+    acquirer_store(db).unwrap_or_else(|| idem::acquirer::Simulator::store_path(db))
+}
+
+/// The simulator's journal of calls for the database `db` (either backend).
+pub fn journal(db: &Path) -> idem::Result<Vec<idem::acquirer::Call>> {
+    idem::acquirer::Simulator::journal_of_file(&simulator_file(db))
+}
+
+/// The authorizations the simulator of the database `db` remembers.
+pub fn authorizations(db: &Path) -> idem::Result<Vec<idem::acquirer::StoredAuthorization>> {
+    idem::acquirer::Simulator::authorizations_of_file(&simulator_file(db))
 }
