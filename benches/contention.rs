@@ -20,8 +20,26 @@
 //! `batch_sweep` (how the default
 //! `--commit-batch-max` was chosen), `ab` (unique keys, this build's
 //! server vs the `idem` binary at `IDEM_BENCH_AB_BIN`, in alternating
-//! rounds: a before/after comparison on a busy machine), `open_loop` and
-//! `targets`.
+//! rounds: a before/after comparison on a busy machine), `open_loop`,
+//! `targets` and `backends`.
+//!
+//! `backends` compares the storage backends (issue 13) in one run: SQLite
+//! (one node, the baseline), PostgreSQL with one node, and PostgreSQL with
+//! three nodes on one database (connection `i` to node `i % 3`), each for
+//! unique keys and for a hot account (every charge debits `card0`), at 64
+//! and 256 connections. PostgreSQL comes from `IDEM_BENCH_POSTGRES`, the
+//! URL of a database whose user may create databases; every PostgreSQL run
+//! gets a fresh database (`idem_bench_*`, dropped afterwards) and a fresh
+//! `--acquirer-store` file shared by its nodes, and the cluster's settings
+//! are left as they are. Without the variable it measures SQLite alone. Its
+//! table: charges/s, p50/p99, the ratio to SQLite for the same load, 5xx
+//! answers (a command that keeps losing its serialization race answers
+//! 503), the servers' CPU (all nodes) and their PostgreSQL backends' CPU
+//! per charge, the machine's busy share, and PostgreSQL's commits and
+//! rollbacks per charge (`pg_stat_database`: each serialization failure is
+//! a rollback); then what the backends were doing (`pg_stat_activity`
+//! sampled through the run: on CPU, waiting on a row lock, on the WAL
+//! flush, or idle in a transaction while idem works).
 //!
 //! `open_loop` offers a constant `IDEM_BENCH_OPEN_RATE` charges/s (default
 //! 3000) from a pool of 256 keep-alive senders ([`drive_open`]): request `i`
@@ -51,7 +69,9 @@
 //!
 //! `IDEM_BENCH_SECONDS` sets each measured run's length (default 5);
 //! `IDEM_BENCH_ROUNDS` how many rounds `unique`, `hot_key`, `webhooks`,
-//! `ab`, `open_loop` and `targets` run (default 3, the median is reported);
+//! `ab`, `open_loop`, `targets` and `backends` run (default 3, the median
+//! is reported); `IDEM_BENCH_POSTGRES` the PostgreSQL of `backends`, and
+//! `IDEM_BENCH_BACKEND_CONNS` its connection counts (default `64,256`);
 //! `IDEM_BENCH_SERVER_ARGS` adds flags to every server started;
 //! `IDEM_BENCH_UNIQUE_CONNS` picks the connection counts of `unique`;
 //! `IDEM_BENCH_RSS_SECONDS` the length of `rss` (default 60) and of the RSS
@@ -87,10 +107,24 @@ impl ServerProc {
     /// [`ServerProc::start`] of the `idem` binary at `bin`.
     fn start_bin(bin: &str, args: &[&str]) -> ServerProc {
         let dir = TempDir::new();
+        let db = dir.0.join("idem.db");
+        ServerProc::spawn(bin, db.as_os_str(), args, dir, None)
+    }
+
+    /// `idem serve --db DB` (the binary at `bin`) with `args`, owning
+    /// `dir`. Its key is the one it prints when it creates the database's
+    /// first consumer, else `key` (a later node on a shared database).
+    fn spawn(
+        bin: &str,
+        db: &std::ffi::OsStr,
+        args: &[&str],
+        dir: TempDir,
+        given: Option<&str>,
+    ) -> ServerProc {
         let mut child = Command::new(bin)
             .arg("serve")
             .arg("--db")
-            .arg(dir.0.join("idem.db"))
+            .arg(db)
             .args(["--addr", "127.0.0.1:0"])
             .args(server_args(args))
             .stdin(Stdio::null())
@@ -114,7 +148,9 @@ impl ServerProc {
         ServerProc {
             child,
             addr,
-            key: key.expect("first start prints the default key"),
+            key: key
+                .or_else(|| given.map(str::to_string))
+                .expect("first start prints the default key"),
             _dir: dir,
         }
     }
@@ -567,12 +603,25 @@ fn pct(sorted: &[u64], p: f64) -> f64 {
 /// Runs `conns` connection threads for `duration`; each calls `next(conn
 /// index, request index)` for (idempotency key, body) and sends a charge.
 fn drive(addr: SocketAddr, key: &str, conns: usize, duration: Duration, next: Next) -> Run {
+    drive_spread(&[addr], key, conns, duration, next)
+}
+
+/// [`drive`] over several servers: connection `i` goes to `addrs[i %
+/// addrs.len()]`.
+fn drive_spread(
+    addrs: &[SocketAddr],
+    key: &str,
+    conns: usize,
+    duration: Duration,
+    next: Next,
+) -> Run {
     let barrier = Arc::new(Barrier::new(conns + 1));
     let stop = Arc::new(AtomicBool::new(false));
     let handles: Vec<_> = (0..conns)
         .map(|i| {
             let (barrier, stop, next, key) =
                 (barrier.clone(), stop.clone(), next.clone(), key.to_string());
+            let addr = addrs[i % addrs.len()];
             std::thread::spawn(move || {
                 let mut conn = Conn::new(addr, &key);
                 let mut t = Tally::default();
@@ -1111,6 +1160,294 @@ fn load_sampling_rss(
 }
 
 // ---------------------------------------------------------------------------
+// Storage backends: SQLite against PostgreSQL with one node and with three
+
+/// `IDEM_BENCH_POSTGRES`: the URL of a PostgreSQL database whose user may
+/// create databases (`postgres://postgres@127.0.0.1:55432/postgres`). The
+/// `backends` scenario creates a database of its own from it for every
+/// PostgreSQL run and drops it afterwards; it changes no setting of the
+/// cluster.
+fn postgres_admin() -> Option<String> {
+    std::env::var("IDEM_BENCH_POSTGRES")
+        .ok()
+        .filter(|s| !s.is_empty())
+}
+
+fn admin_client(admin: &str) -> postgres::Client {
+    postgres::Client::connect(admin, postgres::NoTls).expect("connect to IDEM_BENCH_POSTGRES")
+}
+
+/// The cluster's settings that bound a commit, as the runs found them.
+fn postgres_settings(admin: &str) -> String {
+    let row = admin_client(admin)
+        .query_one(
+            "SELECT current_setting('server_version'), current_setting('fsync'), \
+             current_setting('synchronous_commit'), current_setting('wal_sync_method'), \
+             current_setting('shared_buffers'), current_setting('max_connections'), \
+             current_setting('commit_delay')",
+            &[],
+        )
+        .expect("read the cluster's settings");
+    let s = |i: usize| row.get::<_, String>(i);
+    format!(
+        "PostgreSQL {}, fsync={}, synchronous_commit={}, wal_sync_method={}, shared_buffers={}, \
+         max_connections={}, commit_delay={}",
+        s(0),
+        s(1),
+        s(2),
+        s(3),
+        s(4),
+        s(5),
+        s(6)
+    )
+}
+
+/// What PostgreSQL counted for one database (`pg_stat_database`).
+#[derive(Clone, Copy, Default)]
+struct PgCounters {
+    commits: i64,
+    rollbacks: i64,
+    deadlocks: i64,
+}
+
+/// A fresh PostgreSQL database for one run, and the acquirer simulator
+/// file its nodes share (`--acquirer-store`); both removed on drop (the
+/// database `WITH (FORCE)`, so a node still connected cannot keep it).
+struct PgDatabase {
+    admin: String,
+    name: String,
+    url: String,
+    /// Holds the acquirer simulator's file.
+    dir: TempDir,
+}
+
+impl PgDatabase {
+    fn create(admin: &str) -> PgDatabase {
+        let name = format!("idem_bench_{}", uuid::Uuid::new_v4().simple());
+        admin_client(admin)
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .expect("create the bench database");
+        let (base, _) = admin
+            .rsplit_once('/')
+            .expect("IDEM_BENCH_POSTGRES: a postgres:// URL with a database");
+        PgDatabase {
+            admin: admin.to_string(),
+            url: format!("{base}/{name}"),
+            name,
+            dir: TempDir::new(),
+        }
+    }
+
+    /// `idem serve` on this database; `key` for every node but the first.
+    fn start_node(&self, key: Option<&str>) -> ServerProc {
+        let store = self.dir.0.join("acquirer.sqlite");
+        let store = store.to_str().expect("a UTF-8 temp dir");
+        ServerProc::spawn(
+            env!("CARGO_BIN_EXE_idem"),
+            std::ffi::OsStr::new(&self.url),
+            &["--acquirer-store", store],
+            TempDir::new(),
+            key,
+        )
+    }
+
+    fn counters(&self) -> PgCounters {
+        let row = admin_client(&self.admin)
+            .query_one(
+                "SELECT xact_commit, xact_rollback, deadlocks FROM pg_stat_database \
+                 WHERE datname = $1",
+                &[&self.name],
+            )
+            .expect("read pg_stat_database");
+        PgCounters {
+            commits: row.get(0),
+            rollbacks: row.get(1),
+            deadlocks: row.get(2),
+        }
+    }
+
+    /// Per table of this database: (name, sequential scans, index scans,
+    /// rows inserted, rows updated), the tables scanned at all, most
+    /// sequential scans first (`pg_stat_user_tables`; complete once the
+    /// backends that did them have exited). A sequential scan of a
+    /// SERIALIZABLE transaction locks the whole table for SSI: any write
+    /// to it by a concurrent transaction is then a read-write conflict.
+    fn table_scans(&self) -> Vec<(String, i64, i64, i64, i64)> {
+        let mut client = postgres::Client::connect(&self.url, postgres::NoTls)
+            .expect("connect to the bench database");
+        let mut tables: Vec<(String, i64, i64, i64, i64)> = client
+            .query(
+                "SELECT relname::text, coalesce(seq_scan, 0), coalesce(idx_scan, 0), \
+                 n_tup_ins, n_tup_upd FROM pg_stat_user_tables \
+                 WHERE coalesce(seq_scan, 0) + coalesce(idx_scan, 0) > 0",
+                &[],
+            )
+            .expect("read pg_stat_user_tables")
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+            .collect();
+        tables.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.cmp(&a.2)));
+        tables
+    }
+
+    /// CPU time (user + system, ms) so far of each backend process serving
+    /// this database, by pid (from /proc, so on this machine only).
+    fn backend_cpu_ms(&self) -> BTreeMap<i32, f64> {
+        admin_client(&self.admin)
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE datname = $1",
+                &[&self.name],
+            )
+            .expect("read pg_stat_activity")
+            .iter()
+            .filter_map(|r| {
+                let pid: i32 = r.get(0);
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                Some((pid, stat_cpu_ms(&stat)?.1))
+            })
+            .collect()
+    }
+
+    /// Waits (at most 20 s) until no backend serves this database. A
+    /// backend sends its statistics when it exits, so `pg_stat_database`
+    /// is complete afterwards (a live one sends them at most once a second
+    /// while busy, and only after 10 s once idle).
+    fn wait_disconnected(&self) {
+        let mut admin = admin_client(&self.admin);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            let n: i64 = admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = $1",
+                    &[&self.name],
+                )
+                .expect("read pg_stat_activity")
+                .get(0);
+            if n == 0 {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("{}: backends still connected after 20 s", self.name);
+    }
+}
+
+impl Drop for PgDatabase {
+    fn drop(&mut self) {
+        // Only the database this run created.
+        let _ = admin_client(&self.admin).batch_execute(&format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        ));
+    }
+}
+
+/// What the backends of one database are doing, sampled from
+/// `pg_stat_activity` every [`PG_SAMPLE_EVERY`] until stopped: counts of
+/// "state: wait event" (an active backend with no wait event is on a CPU or
+/// waiting for one) over all samples.
+struct WaitSampler {
+    stop: Arc<AtomicBool>,
+    handle: std::thread::JoinHandle<(u64, BTreeMap<String, u64>)>,
+}
+
+const PG_SAMPLE_EVERY: Duration = Duration::from_millis(25);
+
+impl WaitSampler {
+    fn start(db: &PgDatabase) -> WaitSampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (admin, name, flag) = (db.admin.clone(), db.name.clone(), stop.clone());
+        let handle = std::thread::spawn(move || {
+            let mut client = admin_client(&admin);
+            let statement = client
+                .prepare(
+                    "SELECT coalesce(state, '?'), wait_event_type, wait_event \
+                     FROM pg_stat_activity WHERE datname = $1",
+                )
+                .unwrap();
+            let (mut samples, mut seen) = (0u64, BTreeMap::new());
+            while !flag.load(Ordering::Relaxed) {
+                for r in client.query(&statement, &[&name]).unwrap_or_default() {
+                    let (state, kind, event): (String, Option<String>, Option<String>) =
+                        (r.get(0), r.get(1), r.get(2));
+                    let what = match (kind, event) {
+                        (Some(k), Some(e)) => format!("{state}: {k}:{e}"),
+                        _ if state == "active" => "active: CPU".to_string(),
+                        _ => state,
+                    };
+                    *seen.entry(what).or_insert(0u64) += 1;
+                }
+                samples += 1;
+                std::thread::sleep(PG_SAMPLE_EVERY);
+            }
+            (samples, seen)
+        });
+        WaitSampler { stop, handle }
+    }
+
+    /// The mean number of backends in each state over the samples, most
+    /// first.
+    fn finish(self) -> Vec<(String, f64)> {
+        self.stop.store(true, Ordering::Relaxed);
+        let (samples, seen) = self.handle.join().unwrap();
+        let mut mean: Vec<(String, f64)> = seen
+            .into_iter()
+            .map(|(what, n)| (what, n as f64 / samples.max(1) as f64))
+            .collect();
+        mean.sort_by(|a, b| b.1.total_cmp(&a.1));
+        mean
+    }
+}
+
+/// (busy, all) clock ticks of every CPU of the machine so far, from
+/// /proc/stat; busy is all but idle and iowait.
+fn machine_ticks() -> (f64, f64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<f64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let all: f64 = ticks.iter().take(8).sum();
+    let idle = ticks.get(3).copied().unwrap_or(0.0) + ticks.get(4).copied().unwrap_or(0.0);
+    (all - idle, all)
+}
+
+/// This process's CPU time so far (user + system, ms): the load generator.
+fn own_cpu_ms() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    stat_cpu_ms(&stat).map_or(0.0, |(_, ms)| ms)
+}
+
+/// Charges from `card{i}` to `shop{i}` under unique keys, or, if `hot`,
+/// every one debiting `card0` (one account row that every charge updates).
+fn debit_load(hot: bool) -> Next {
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    Arc::new(move |i, n| {
+        let source = if hot { 0 } else { i };
+        (
+            format!("{run}-{i}-{n}"),
+            charge_body(1 + (n % 1000) as i64, source, i),
+        )
+    })
+}
+
+/// `IDEM_BENCH_BACKEND_CONNS`: the connection counts of `backends`
+/// (default `64,256`).
+fn backend_conns() -> Vec<usize> {
+    std::env::var("IDEM_BENCH_BACKEND_CONNS")
+        .unwrap_or_else(|_| "64,256".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}
+/// `backends`: the nodes of its multi-node PostgreSQL runs.
+const BACKEND_NODES: usize = 3;
+
+// ---------------------------------------------------------------------------
 // Scenarios
 
 struct Bench {
@@ -1402,6 +1739,289 @@ impl Bench {
             rows[0]["p999_ms"].as_f64().unwrap_or(f64::NAN),
         );
         self.results.insert("hot_account".into(), json!(rows));
+    }
+
+    /// One run of `backends`: `conns` connections of charges (unique keys,
+    /// or every one debiting `card0` if `hot`) for the run's length, spread
+    /// over `nodes` fresh servers: one on a fresh SQLite file if `admin` is
+    /// `None`, else `nodes` on a fresh PostgreSQL database created from
+    /// `admin`. Its row, with the servers' CPU per charge (all nodes), the
+    /// PostgreSQL backends' CPU per charge, the machine's busy share, what
+    /// PostgreSQL counted (commits and rollbacks: a serialization failure
+    /// is a rollback, and its command runs again) and what its backends
+    /// were doing.
+    fn backend_run(&self, admin: Option<&str>, nodes: usize, conns: usize, hot: bool) -> Value {
+        let db = admin.map(PgDatabase::create);
+        let (servers, before) = match &db {
+            None => {
+                let server = ServerProc::start(&[]);
+                setup_accounts(server.addr, &server.key, conns);
+                (vec![server], PgCounters::default())
+            }
+            Some(db) => {
+                // The accounts through a node of their own, gone before the
+                // count starts: a live backend reports its counts late, so
+                // the run's are only known once its backends have exited.
+                let key = {
+                    let setup = db.start_node(None);
+                    setup_accounts(setup.addr, &setup.key, conns);
+                    setup.key.clone()
+                };
+                db.wait_disconnected();
+                let before = db.counters();
+                let servers = (0..nodes).map(|_| db.start_node(Some(&key))).collect();
+                (servers, before)
+            }
+        };
+        let addrs: Vec<SocketAddr> = servers.iter().map(|s| s.addr).collect();
+        let key = servers[0].key.clone();
+        let idem_cpu = || servers.iter().map(ServerProc::cpu_ms).sum::<f64>();
+        let pg_cpu_before = db.as_ref().map(PgDatabase::backend_cpu_ms);
+        let sampler = db.as_ref().map(WaitSampler::start);
+        let (idem0, own0, machine0) = (idem_cpu(), own_cpu_ms(), machine_ticks());
+        let run = drive_spread(&addrs, &key, conns, self.duration, debit_load(hot));
+        let (idem1, own1, machine1) = (idem_cpu(), own_cpu_ms(), machine_ticks());
+        let waits = sampler.map(WaitSampler::finish);
+        let pg_cpu_ms = db.as_ref().zip(pg_cpu_before).map(|(db, before)| {
+            db.backend_cpu_ms()
+                .iter()
+                .map(|(pid, ms)| ms - before.get(pid).copied().unwrap_or(0.0))
+                .sum::<f64>()
+        });
+        let listed = charge_count(addrs[0], &key) as u64;
+        let per_charge = |ms: f64| ms * 1000.0 / run.ok().max(1) as f64;
+
+        let backend = if db.is_some() { "PostgreSQL" } else { "SQLite" };
+        let load = if hot { "hot account" } else { "unique keys" };
+        let mut r = row(
+            &format!("{backend}, {nodes} node(s), {load}, {conns} conns"),
+            &run,
+            conns,
+        );
+        r["backend"] = json!(backend);
+        r["nodes"] = json!(nodes);
+        r["load"] = json!(load);
+        r["status_5xx"] = json!(run
+            .tallies
+            .iter()
+            .flat_map(|t| t.by_status.iter())
+            .filter(|(s, _)| **s >= 500)
+            .map(|(_, n)| n)
+            .sum::<u64>());
+        r["charges_listed"] = json!(listed);
+        r["idem_cpu_us_per_charge"] = json!(per_charge(idem1 - idem0));
+        r["generator_cpu_us_per_charge"] = json!(per_charge(own1 - own0));
+        r["machine_busy_pct"] =
+            json!(100.0 * (machine1.0 - machine0.0) / (machine1.1 - machine0.1).max(1.0));
+        if listed != run.ok() {
+            println!(
+                "  {}: {listed} charges listed for {} 2xx answers",
+                r["name"].as_str().unwrap(),
+                run.ok()
+            );
+        }
+        if let Some(db) = &db {
+            drop(servers);
+            db.wait_disconnected();
+            let after = db.counters();
+            let per = |n: i64| n as f64 / run.ok().max(1) as f64;
+            r["pg_cpu_us_per_charge"] = json!(per_charge(pg_cpu_ms.unwrap_or(f64::NAN)));
+            r["pg_commits"] = json!(after.commits - before.commits);
+            r["pg_rollbacks"] = json!(after.rollbacks - before.rollbacks);
+            r["pg_deadlocks"] = json!(after.deadlocks - before.deadlocks);
+            r["pg_commits_per_charge"] = json!(per(after.commits - before.commits));
+            r["pg_rollbacks_per_charge"] = json!(per(after.rollbacks - before.rollbacks));
+            r["pg_tables"] =
+                json!(db
+                .table_scans()
+                .iter()
+                .map(|(t, seq, idx, ins, upd)| json!({"table": t, "seq_scan": seq, "idx_scan": idx,
+                                                     "inserted": ins, "updated": upd}))
+                .collect::<Vec<_>>());
+            let waits = waits.unwrap_or_default();
+            r["pg_backends_by_state"] = json!(waits
+                .iter()
+                .map(|(what, mean)| json!({"state": what, "mean_backends": mean}))
+                .collect::<Vec<_>>());
+        }
+        r
+    }
+
+    /// `backends` (only when named): SQLite (one node, the baseline), then
+    /// PostgreSQL with one node and with [`BACKEND_NODES`] nodes sharing one
+    /// database (connections spread over them), each at 64 and 256
+    /// connections, for unique keys and for one hot account (every charge
+    /// debits `card0`). Every run on a fresh database with its default
+    /// flags; rounds alternate the configurations, and each cell reports
+    /// its median round by throughput. Without `IDEM_BENCH_POSTGRES`, SQLite
+    /// alone.
+    fn backends(&mut self) {
+        let admin = postgres_admin();
+        let mut configs: Vec<(Option<&str>, usize)> = vec![(None, 1)];
+        match &admin {
+            Some(admin) => {
+                configs.push((Some(admin.as_str()), 1));
+                configs.push((Some(admin.as_str()), BACKEND_NODES));
+            }
+            None => println!(
+                "\nbackends: IDEM_BENCH_POSTGRES is not set (the URL of a PostgreSQL database whose \
+                 user may create databases, e.g. postgres://postgres@127.0.0.1:55432/postgres): \
+                 SQLite alone"
+            ),
+        }
+        let settings = admin.as_deref().map(postgres_settings);
+        let cells: Vec<(bool, usize)> = [false, true]
+            .into_iter()
+            .flat_map(|hot| backend_conns().into_iter().map(move |c| (hot, c)))
+            .collect();
+        let mut rounds: Vec<Vec<Value>> = vec![Vec::new(); cells.len() * configs.len()];
+        let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        for round in 1..=self.rounds {
+            for (c, (hot, conns)) in cells.iter().enumerate() {
+                for (k, (admin, nodes)) in configs.iter().enumerate() {
+                    let r = self.backend_run(*admin, *nodes, *conns, *hot);
+                    println!(
+                        "round {round}: {}: {:.0}/s, p99 {:.1} ms, 5xx {}, idem CPU {:.0} µs/charge{}",
+                        r["name"].as_str().unwrap(),
+                        f(&r, "per_second"),
+                        f(&r, "p99_ms"),
+                        r["status_5xx"],
+                        f(&r, "idem_cpu_us_per_charge"),
+                        if admin.is_some() {
+                            format!(
+                                ", PostgreSQL CPU {:.0} µs/charge, {:.2} commits and {:.2} rollbacks per charge",
+                                f(&r, "pg_cpu_us_per_charge"),
+                                f(&r, "pg_commits_per_charge"),
+                                f(&r, "pg_rollbacks_per_charge"),
+                            )
+                        } else {
+                            String::new()
+                        },
+                    );
+                    rounds[c * configs.len() + k].push(r);
+                }
+            }
+        }
+        let medians: Vec<Value> = rounds.iter().cloned().map(median_by_rate).collect();
+
+        let flags = server_args(&[]).join(" ");
+        println!(
+            "\n## backends: SQLite vs PostgreSQL, one node and {BACKEND_NODES} (issue 13); {} s runs, \
+             median of {} rounds by charges/s; server flags: {}\n",
+            self.duration.as_secs_f64(),
+            self.rounds,
+            if flags.is_empty() { "defaults" } else { &flags },
+        );
+        if let Some(settings) = &settings {
+            println!("{settings} (as found; the bench changes none)\n");
+        }
+        println!(
+            "| backend | nodes | load | conns (answered) | charges/s | p50 ms | p99 ms | vs SQLite | 5xx | \
+             idem CPU µs/charge | PostgreSQL CPU µs/charge | machine CPU busy | PG commits/charge | \
+             PG rollbacks/charge | charges/s per round |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        for (c, _) in cells.iter().enumerate() {
+            let sqlite_rate = f(&medians[c * configs.len()], "per_second");
+            for r in &medians[c * configs.len()..(c + 1) * configs.len()] {
+                let pg = |k: &str, digits: usize| {
+                    if r["backend"] == "PostgreSQL" {
+                        format!("{:.*}", digits, f(r, k))
+                    } else {
+                        "–".into()
+                    }
+                };
+                let per_round: Vec<String> = r["rounds_per_second"]
+                    .as_array()
+                    .map(|v| {
+                        v.iter()
+                            .map(|x| format!("{:.0}", x.as_f64().unwrap()))
+                            .collect()
+                    })
+                    .unwrap_or_else(|| vec![format!("{:.0}", f(r, "per_second"))]);
+                println!(
+                    "| {} | {} | {} | {}/{} | {:.0} | {:.2} | {:.2} | {} | {} | {:.0} | {} | {:.0} % | {} | {} | {} |",
+                    r["backend"].as_str().unwrap(),
+                    r["nodes"],
+                    r["load"].as_str().unwrap(),
+                    r["answered_connections"],
+                    r["connections"],
+                    f(r, "per_second"),
+                    f(r, "p50_ms"),
+                    f(r, "p99_ms"),
+                    ratio(f(r, "per_second"), sqlite_rate),
+                    r["status_5xx"],
+                    f(r, "idem_cpu_us_per_charge"),
+                    pg("pg_cpu_us_per_charge", 0),
+                    f(r, "machine_busy_pct"),
+                    pg("pg_commits_per_charge", 2),
+                    pg("pg_rollbacks_per_charge", 2),
+                    per_round.join(", "),
+                );
+            }
+        }
+        println!(
+            "\n(hot account: every charge debits card0; 5xx: answers of 500 and more, a command that \
+             still lost its serialization race after its retries (RETRIES_MAX in \
+             src/store/postgres.rs) is a 503; CPU per charge: the servers' (all nodes) \
+             and their PostgreSQL backends' user+system time from /proc over the run, divided by the \
+             2xx answers; machine CPU busy: all CPUs, this load generator and anything else running \
+             included; commits and rollbacks: pg_stat_database of the run's database, read after its \
+             nodes exited, a node's startup and background passes included)"
+        );
+        if admin.is_some() {
+            println!(
+                "\n### what the PostgreSQL backends were doing (median round; mean backends in each \
+                 state, pg_stat_activity sampled every {PG_SAMPLE_EVERY:?}; `active: CPU` is running or \
+                 runnable, `idle in transaction` is waiting for idem between statements)\n"
+            );
+            println!("| nodes | load | conns | backends by state | sequential / index scans per charge, by table |");
+            println!("|---|---|---|---|---|");
+            for r in medians.iter().filter(|r| r["backend"] == "PostgreSQL") {
+                let states: Vec<String> = r["pg_backends_by_state"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|s| f(s, "mean_backends") >= 0.05)
+                    .map(|s| {
+                        format!(
+                            "{} {:.1}",
+                            s["state"].as_str().unwrap(),
+                            f(s, "mean_backends")
+                        )
+                    })
+                    .collect();
+                let ok = f(r, "ok").max(1.0);
+                let scans: Vec<String> = r["pg_tables"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|t| (f(t, "seq_scan") + f(t, "idx_scan")) / ok >= 0.05)
+                    .map(|t| {
+                        format!(
+                            "{} {:.2}/{:.2}",
+                            t["table"].as_str().unwrap(),
+                            f(t, "seq_scan") / ok,
+                            f(t, "idx_scan") / ok
+                        )
+                    })
+                    .collect();
+                println!(
+                    "| {} | {} | {} | {} | {} |",
+                    r["nodes"],
+                    r["load"].as_str().unwrap(),
+                    r["connections"],
+                    states.join("; "),
+                    scans.join("; ")
+                );
+            }
+        }
+        self.results.insert(
+            "backends".into(),
+            json!({"seconds": self.duration.as_secs_f64(), "rounds": self.rounds,
+                   "postgres": settings, "flags": flags, "runs": medians,
+                   "all_rounds": rounds}),
+        );
     }
 
     /// Unique charges at 64 connections with one webhook endpoint subscribed
@@ -2108,6 +2728,10 @@ fn main() {
     }
     if selected.iter().any(|s| s == "targets") {
         bench.targets();
+    }
+    // Only when named: it needs a PostgreSQL cluster (IDEM_BENCH_POSTGRES).
+    if selected.iter().any(|s| s == "backends") {
+        bench.backends();
     }
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)

@@ -1415,7 +1415,9 @@ impl App {
         }
         let node = Arc::clone(&self.node);
         let lease = crate::time::millis(self.delivery_lease());
-        self.store.write(move |tx| {
+        // Unheard: the dispatcher waits on commits, and would wake to this
+        // one, its own claim, and claim again, without end.
+        self.store.write_unheard(move |tx| {
             let now = now_ms();
             webhooks::claim_due(tx, &node, now, now.saturating_add(lease), limit)
         })

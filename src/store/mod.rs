@@ -319,6 +319,23 @@ impl Store {
         }
     }
 
+    /// [`Store::write`] whose commit wakes no [`Store::commits`] watcher on
+    /// PostgreSQL: for a watcher's own writes. The webhook dispatcher claims
+    /// due deliveries in a write; heard, that commit woke it to claim again
+    /// at once, a loop of thousands of transactions a second on an idle
+    /// server. On SQLite it is [`Store::write`] (the writer's commit may
+    /// hold others' commands, and is heard as theirs).
+    pub fn write_unheard<T, F>(&self, mut f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&dyn Db) -> Result<T> + Send + 'static,
+    {
+        match self {
+            Store::Sqlite { writer, .. } => writer.call(move |conn| f(conn)),
+            Store::Postgres { pg, .. } => pg.write(f),
+        }
+    }
+
     /// Runs `f` on one consistent read-only view.
     pub fn read<T>(&self, f: impl FnOnce(&dyn Db) -> Result<T>) -> Result<T> {
         match self {
