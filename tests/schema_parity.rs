@@ -20,9 +20,11 @@ const POSTGRES_ONLY: &[(&str, &str)] = &[
     ("deliveries", "leased_until"),
 ];
 
-fn migrate(db: &Path) {
+/// Runs `idem ARGS --db DB`, which must succeed.
+fn idem(args: &[&str], db: &Path) {
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["migrate", "--db"])
+        .args(args)
+        .arg("--db")
         .arg(db)
         .output()
         .unwrap();
@@ -86,10 +88,11 @@ fn the_postgres_schema_has_the_tables_columns_and_indexes_of_schema_sql() {
     }
     let dir = TempDir::new("parity");
     let file = dir.0.join("parity.db");
-    migrate_new_sqlite(&file);
+    // `idem migrate` wants an existing file; `consumers create` makes one.
+    idem(&["consumers", "create", "parity"], &file);
     let (sqlite_columns, sqlite_indexes) = sqlite_schema(&file);
     let db = dir.db();
-    migrate(&db);
+    idem(&["migrate"], &db);
     let (mut pg_columns, pg_indexes) = postgres_schema(&db);
     for (table, column) in POSTGRES_ONLY {
         assert!(
@@ -106,19 +109,4 @@ fn the_postgres_schema_has_the_tables_columns_and_indexes_of_schema_sql() {
          only in schema_postgres.sql: {only_pg:?}"
     );
     assert_eq!(sqlite_indexes, pg_indexes, "named indexes differ");
-}
-
-/// A new SQLite database at the current schema (`idem consumers create`
-/// creates one; `idem migrate` wants an existing file).
-fn migrate_new_sqlite(file: &Path) {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["consumers", "create", "parity", "--db"])
-        .arg(file)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
