@@ -70,6 +70,38 @@ fn count(db: &Path, sql: &str) -> i64 {
     support::inspect(db, |c| c.query_value(sql, &[]))
 }
 
+/// `threads` threads released together, each sending `per_thread` charges
+/// of `body` (keys `{tag}-{thread}-{n}`), the n-th of thread t to node
+/// (t + n) % nodes, each until its final answer; every final answer.
+fn charges_from_threads(
+    clients: &[Client],
+    threads: usize,
+    per_thread: usize,
+    tag: &str,
+    body: &Value,
+) -> Vec<(Resp, Retried)> {
+    let barrier = Arc::new(Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (clients, barrier) = (clients.to_vec(), Arc::clone(&barrier));
+            let (tag, body) = (tag.to_string(), body.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                (0..per_thread)
+                    .map(|n| {
+                        let client = &clients[(t + n) % clients.len()];
+                        charge_until_final(client, &format!("{tag}-{t}-{n}"), &body)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect()
+}
+
 /// The answers a client that follows the contract retried before its
 /// final one.
 #[derive(Debug, Default, Clone, Copy)]
@@ -578,26 +610,12 @@ fn webhook_delivery_runs_on_every_node_and_sends_each_delivery_once() {
 
     const THREADS: usize = 6;
     const PER_THREAD: usize = 10;
-    let barrier = Arc::new(Barrier::new(THREADS));
-    let handles: Vec<_> = (0..THREADS)
-        .map(|t| {
-            let clients = clients.clone();
-            let barrier = Arc::clone(&barrier);
-            std::thread::spawn(move || {
-                barrier.wait();
-                let mut unavailable = 0;
-                for j in 0..PER_THREAD {
-                    let client = &clients[(t + j) % 3];
-                    let (r, retried) =
-                        charge_until_final(client, &format!("wh-{t}-{j}"), &charge_body(10));
-                    assert_eq!(r.status, 201, "{}", text(&r));
-                    unavailable += retried.unavailable;
-                }
-                unavailable
-            })
-        })
-        .collect();
-    let unavailable: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    let answers = charges_from_threads(&clients, THREADS, PER_THREAD, "wh", &charge_body(10));
+    let mut unavailable = 0;
+    for (r, retried) in &answers {
+        assert_eq!(r.status, 201, "{}", text(r));
+        unavailable += retried.unavailable;
+    }
     eprintln!("503s retried: {unavailable}");
     let total = (THREADS * PER_THREAD) as i64;
     assert_eq!(clients[1].all_charges().len() as i64, total);
@@ -691,31 +709,17 @@ fn hold_expiry_runs_on_every_node_and_voids_each_hold_once() {
 
     const THREADS: usize = 3;
     const PER_THREAD: usize = 10;
-    let barrier = Arc::new(Barrier::new(THREADS));
-    let handles: Vec<_> = (0..THREADS)
-        .map(|t| {
-            let clients = clients.clone();
-            let barrier = Arc::clone(&barrier);
-            std::thread::spawn(move || {
-                barrier.wait();
-                (0..PER_THREAD)
-                    .map(|j| {
-                        let body = json!({"amount": 100, "currency": "BRL", "source": "card",
-                                          "destination": "shop", "capture": false});
-                        let client = &clients[(t + j) % 3];
-                        let (r, _) = charge_until_final(client, &format!("hold-{t}-{j}"), &body);
-                        assert_eq!(r.status, 201, "{}", text(&r));
-                        assert_eq!(r.json()["status"], json!("requires_capture"));
-                        r.json()["id"].as_str().unwrap().to_string()
-                    })
-                    .collect::<Vec<String>>()
+    let body = json!({"amount": 100, "currency": "BRL", "source": "card",
+                      "destination": "shop", "capture": false});
+    let holds: BTreeSet<String> =
+        charges_from_threads(&clients, THREADS, PER_THREAD, "hold", &body)
+            .iter()
+            .map(|(r, _)| {
+                assert_eq!(r.status, 201, "{}", text(r));
+                assert_eq!(r.json()["status"], json!("requires_capture"));
+                r.json()["id"].as_str().unwrap().to_string()
             })
-        })
-        .collect();
-    let holds: BTreeSet<String> = handles
-        .into_iter()
-        .flat_map(|h| h.join().unwrap())
-        .collect();
+            .collect();
     assert_eq!(holds.len(), THREADS * PER_THREAD);
 
     support::eventually(Duration::from_secs(60), || {
